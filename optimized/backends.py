@@ -1,0 +1,232 @@
+"""Backend detection, the registry of which backend implements which op, and backend selection.
+
+Backends:
+  * `triton`   — portable Triton kernels: ROCm (gfx942 e4m3fnuz, gfx950 e4m3fn), any CUDA GPU, and
+                 the CPU through `TRITON_INTERPRET=1` (slow, exact enough for TINY shapes).
+  * `deepgemm` — DeepGEMM kernels on NVIDIA SM90/SM100, with Triton glue for what DeepGEMM lacks
+                 (each such op says so in the capability table).
+  * `reference` — the eager PyTorch reference itself (always available; what parity compares to).
+
+Selection: the `backend=` argument > the `DSV4_BACKEND` environment variable > the best available
+backend for that op (deepgemm, then triton, then reference). Op modules register their
+implementations with `register(...)` at import, by dotted path, so nothing heavy (triton,
+deep_gemm) is imported until a kernel is actually called.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+BACKENDS = ("deepgemm", "triton", "reference")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What this machine offers.
+
+    Attributes:
+        device: `"cuda"`, `"rocm"` or `"cpu"`.
+        name: GPU name, or `"cpu"`.
+        arch: `"sm90"`, `"sm100"`, `"gfx942"`, ... or `"cpu"`.
+        triton: Triton version, or None when not importable.
+        deep_gemm: DeepGEMM version, or None when not importable (or not an NVIDIA GPU).
+        deep_gemm_error: why DeepGEMM is unavailable, when it is.
+        interpret: `TRITON_INTERPRET=1` is set (Triton kernels run on the CPU interpreter).
+        fp8_format: the FP8 format native to this hardware (`e4m3fnuz` on gfx942, else `e4m3fn`).
+    """
+
+    device: str
+    name: str
+    arch: str
+    triton: str | None
+    deep_gemm: str | None
+    deep_gemm_error: str | None
+    interpret: bool
+    fp8_format: str
+
+    @property
+    def torch_device(self) -> str:
+        """The torch device string tensors for this hardware live on (`cuda` for ROCm too)."""
+        return "cpu" if self.device == "cpu" else "cuda"
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _detect(interpret: bool) -> Hardware:
+    import torch
+
+    triton_version = None
+    if importlib.util.find_spec("triton") is not None:
+        try:
+            import triton
+
+            triton_version = triton.__version__
+        except Exception:  # a broken install is reported as missing
+            triton_version = None
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        if torch.version.hip is not None:
+            arch = props.gcnArchName.split(":")[0]
+            device = "rocm"
+        else:
+            arch = f"sm{props.major}{props.minor}"
+            device = "cuda"
+        name = props.name
+    else:
+        device, name, arch = "cpu", "cpu", "cpu"
+
+    deep_gemm_version, deep_gemm_error = None, None
+    if device != "cuda":
+        deep_gemm_error = "DeepGEMM needs an NVIDIA GPU (SM90 or SM100)"
+    elif arch not in ("sm90", "sm100", "sm103"):
+        deep_gemm_error = f"DeepGEMM supports SM90 and SM100, this GPU is {arch}"
+    else:
+        try:
+            deep_gemm = importlib.import_module("deep_gemm")
+            deep_gemm_version = getattr(deep_gemm, "__version__", "unknown")
+        except Exception as exc:
+            deep_gemm_error = (f"`import deep_gemm` failed ({type(exc).__name__}: {exc}); build and install "
+                               "DeepGEMM >= 2.8 from its source")
+
+    return Hardware(
+        device=device,
+        name=name,
+        arch=arch,
+        triton=triton_version,
+        deep_gemm=deep_gemm_version,
+        deep_gemm_error=deep_gemm_error,
+        interpret=interpret,
+        fp8_format="e4m3fnuz" if arch == "gfx942" else "e4m3fn",
+    )
+
+
+def detect() -> Hardware:
+    """Detect the hardware once per `TRITON_INTERPRET` setting."""
+    return _detect(_interpret())
+
+
+def backend_status(backend: str) -> tuple[bool, str]:
+    """Whether `backend` can run on this machine, and if not, why (with how to get it)."""
+    hw = detect()
+    if backend == "reference":
+        return True, "eager PyTorch"
+    if backend == "triton":
+        if hw.triton is None:
+            return False, "Triton is not installed (`pip install 'triton>=3.6'`)"
+        if hw.device == "cpu" and not hw.interpret:
+            return False, "no GPU; set TRITON_INTERPRET=1 to run the Triton kernels on the CPU interpreter"
+        where = "CPU interpreter" if hw.interpret else hw.arch
+        return True, f"Triton {hw.triton} on {where}"
+    if backend == "deepgemm":
+        if hw.deep_gemm is None:
+            return False, hw.deep_gemm_error or "DeepGEMM unavailable"
+        if hw.interpret:
+            return False, "TRITON_INTERPRET=1 is set; DeepGEMM's glue kernels need a real GPU"
+        return True, f"DeepGEMM {hw.deep_gemm} on {hw.arch}"
+    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One registry entry.
+
+    Attributes:
+        op: public op name (`"fp8_einsum"`).
+        backend: `"triton"`, `"deepgemm"` or `"reference"`.
+        target: `"module.path:function"`, imported on first use.
+        deterministic: bitwise-equal outputs for equal inputs (reruns and batch composition).
+        note: what the capability table shows (e.g. "Triton kernel: DeepGEMM has none").
+    """
+
+    op: str
+    backend: str
+    target: str
+    deterministic: bool = True
+    note: str = ""
+
+    def load(self) -> Callable[..., Any]:
+        module, _, attr = self.target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+_REGISTRY: dict[str, dict[str, Implementation]] = {}
+
+
+def register(op: str, backend: str, target: str, *, deterministic: bool = True, note: str = "") -> None:
+    """Declare that `backend` implements `op` by the function at `target` ("module:function")."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    _REGISTRY.setdefault(op, {})[backend] = Implementation(op, backend, target, deterministic, note)
+
+
+def registry() -> dict[str, dict[str, Implementation]]:
+    """op -> backend -> implementation (a copy)."""
+    _load_ops()
+    return {op: dict(impls) for op, impls in _REGISTRY.items()}
+
+
+def _load_ops() -> None:
+    importlib.import_module("optimized")  # the op modules register themselves on import
+
+
+def select(op: str, backend: str | None = None) -> Implementation:
+    """Pick the implementation of `op`: `backend` > `DSV4_BACKEND` > best available.
+
+    Raises:
+        ValueError: unknown op or backend name, or a backend that does not implement `op`.
+        RuntimeError: the requested backend is not available on this machine (with the reason).
+    """
+    _load_ops()
+    if op not in _REGISTRY:
+        raise ValueError(f"op: unknown op {op!r}; known: {sorted(_REGISTRY)}")
+    impls = _REGISTRY[op]
+    requested = backend or os.environ.get("DSV4_BACKEND") or None
+    if requested is not None:
+        if requested not in BACKENDS:
+            source = "backend" if backend else "DSV4_BACKEND"
+            raise ValueError(f"{source}: expected one of {BACKENDS}, got {requested!r}")
+        if requested not in impls:
+            raise ValueError(f"backend: {requested!r} does not implement {op!r} (it has: {sorted(impls)})")
+        ok, why = backend_status(requested)
+        if not ok:
+            raise RuntimeError(f"backend {requested!r} is not available on this machine: {why}")
+        return impls[requested]
+    for name in BACKENDS:
+        if name in impls and backend_status(name)[0]:
+            return impls[name]
+    raise RuntimeError(f"no backend available for {op!r}")  # reference is always registered in practice
+
+
+def dispatch(op: str, backend: str | None, *args: Any, **kwargs: Any) -> Any:
+    """Call the selected implementation of `op`."""
+    return select(op, backend).load()(*args, **kwargs)
+
+
+def capability_rows() -> list[dict[str, str]]:
+    """One row per op: for each backend `yes`/`no`/`-` (not implemented) plus notes."""
+    rows = []
+    for op, impls in sorted(registry().items()):
+        row = {"op": op}
+        notes = []
+        for name in BACKENDS:
+            if name not in impls:
+                row[name] = "-"
+                continue
+            ok, _ = backend_status(name)
+            impl = impls[name]
+            row[name] = ("yes" if ok else "no") + ("" if impl.deterministic else " (non-det.)")
+            if impl.note:
+                notes.append(f"{name}: {impl.note}")
+        row["notes"] = "; ".join(notes)
+        rows.append(row)
+    return rows

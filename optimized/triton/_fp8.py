@@ -1,0 +1,89 @@
+"""FP8 helpers shared by the Triton kernels: UE8M0 scales on the bits, exact RNE onto the E4M3 grid.
+
+Why round by hand: a kernel's fp32 -> fp8 cast is round-to-nearest-even on NVIDIA (`cvt.rn.satfinite`)
+and on AMD, but Triton's CPU interpreter (3.6) truncates the mantissa and rounds half away, and
+cannot represent `float8_e4m3fnuz` at all. Rounding onto the FP8 grid in fp32 first makes the
+final cast exact everywhere, so the interpreter runs the same arithmetic the GPU does. It costs a
+handful of integer ops per element in kernels that are memory-bound anyway.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from reference.formats import FP8Format, fp8_format
+
+
+@triton.jit
+def ue8m0_scale(amax, QMAX: tl.constexpr, EPS: tl.constexpr):
+    """`2^ceil(log2(max(amax, EPS) / QMAX))` from the exponent and mantissa bits, exponent byte in [1, 254]."""
+    ratio = tl.maximum(amax, EPS) / QMAX
+    bits = ratio.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    exponent = tl.minimum(tl.maximum(exponent, 1), 254)
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_fp8_grid(x, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr):
+    """Clamp fp32 `x` to +-FP8_MAX and round it to the nearest E4M3 value (ties to even), in fp32.
+
+    E4M3 has 3 mantissa bits: in the binade [2^e, 2^(e+1)) the step is 2^(e-3); below the smallest
+    normal 2^MIN_NORMAL_EXP the step stays 2^(MIN_NORMAL_EXP-3) (subnormals). `x / step` is then an
+    exact fp32 in [0, 16) and adding and subtracting 1.5 * 2^23 rounds it to an integer with the FPU's
+    own round-to-nearest-even. A result of zero keeps x's sign where the format has a negative zero
+    (e4m3fn, as torch's cast does) and is +0 where it has none (e4m3fnuz: 0x80 is NaN).
+    """
+    x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, MIN_NORMAL_EXP)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2^23
+    units = (x / step + magic) - magic
+    y = units * step
+    if HAS_NEG_ZERO:
+        return tl.where(y == 0.0, x * 0.0, y)
+    return tl.where(y == 0.0, 0.0, y)
+
+
+def fp8_constants(fmt: str | FP8Format) -> dict[str, float | int]:
+    """Constexpr kwargs for a kernel that quantizes into `fmt`: FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO."""
+    f = fp8_format(fmt)
+    return {"FP8_MAX": f.max, "MIN_NORMAL_EXP": f.min_normal_exp, "HAS_NEG_ZERO": f.name == "e4m3fn"}
+
+
+def _patch_interpreter_fnuz() -> None:
+    """Teach Triton 3.6's interpreter the `fp8e4b8` (e4m3fnuz) type: its builder has the type getter
+    but the `dtype.to_ir` it installs for each launch misses the mapping, so any cast to or store of
+    e4m3fnuz fails. Values written through `round_to_fp8_grid` are exact, so the interpreter's
+    bit-level conversion is then exact too.
+    """
+    from triton.runtime import interpreter
+
+    if getattr(interpreter._patch_lang_core, "_dsv4_fnuz", False):
+        return
+    original_patch = interpreter._patch_lang_core
+
+    def patch_lang_core(lang, scope):  # noqa: ANN001 - Triton's private signature
+        original_patch(lang, scope)
+        to_ir = lang.dtype.to_ir
+
+        def to_ir_with_fnuz(self, builder):  # noqa: ANN001
+            if self.name == "fp8e4b8":
+                return builder.get_fp8e4b8_ty()
+            return to_ir(self, builder)
+
+        lang.dtype.to_ir = to_ir_with_fnuz  # the scope restores Triton's own method after the launch
+
+    patch_lang_core._dsv4_fnuz = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_core = patch_lang_core
+
+
+def prepare_interpreter() -> None:
+    """Apply the interpreter fixes when `TRITON_INTERPRET=1` (a no-op on GPUs)."""
+    from optimized.backends import detect
+
+    if detect().interpret:
+        _patch_interpreter_fnuz()
