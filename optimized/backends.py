@@ -60,7 +60,7 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _detect(interpret: bool) -> Hardware:
     import torch
 

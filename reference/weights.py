@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from reference.formats import (
-    FP4_BLOCK,
     E4M3FN,
+    FP4_BLOCK,
     FP8Format,
     dequantize_fp4,
     dequantize_per_block,

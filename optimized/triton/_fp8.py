@@ -66,11 +66,11 @@ def _patch_interpreter_fnuz() -> None:
         return
     original_patch = interpreter._patch_lang_core
 
-    def patch_lang_core(lang, scope):  # noqa: ANN001 - Triton's private signature
+    def patch_lang_core(lang, scope):
         original_patch(lang, scope)
         to_ir = lang.dtype.to_ir
 
-        def to_ir_with_fnuz(self, builder):  # noqa: ANN001
+        def to_ir_with_fnuz(self, builder):
             if self.name == "fp8e4b8":
                 return builder.get_fp8e4b8_ty()
             return to_ir(self, builder)
