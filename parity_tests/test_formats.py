@@ -143,7 +143,8 @@ def test_fp4_quant_dequant_error_is_at_most_half_a_step() -> None:
 def test_mxfp4_to_fp8_reencode_is_bitwise_lossless(fmt: str) -> None:
     g = generator(4)
     # per-32 scales spread over 2^10 inside each tile (well within the 2^14 budget)
-    w = torch.randn(256, 512, generator=g) * 2.0 ** torch.randint(-10, 1, (256, 16), generator=g).repeat_interleave(32, 1)
+    exponents = torch.randint(-10, 1, (256, 16), generator=g).repeat_interleave(32, 1)
+    w = torch.randn(256, 512, generator=g) * 2.0**exponents
     codes, s = quantize_fp4(w)
     q, s8 = mxfp4_to_fp8(pack_fp4(codes), s, fmt)
     assert q.dtype == fp8_format(fmt).dtype and is_power_of_two(s8)
