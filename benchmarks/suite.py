@@ -1,0 +1,390 @@
+"""The benchmark model and runner: families of ops, points (op x config x token count), candidates, results.
+
+A *family* (`ops_einsum`, `ops_moe`, `ops_attention`) builds the weights of one config once (`setup`) and
+lists its ops. For each token count an op builds a *point*: the inputs, the counted `Work`, and the
+*candidates* to time on identical inputs: every backend of the optimized package (`reference`, `triton`,
+`deepgemm`) through the public API, plus baselines (torch bf16, torch `_scaled_mm`, DeepGEMM's raw kernel).
+A candidate that cannot run here carries the reason instead of a function, and is reported
+"n/a: <reason>", never dropped.
+
+Budget rules (one H200 run of the whole suite must fit in one 10-minute command):
+  * each candidate: one warm-up call (JIT included), then up to `MAX_RUNS` timed runs or ~100 ms of them;
+  * the eager reference: once one call of it takes longer than `REF_SLOW_S` at some token count, it is
+    skipped at the larger token counts of that op, except at the points a speed target needs
+    (`targets.reference_points`); the skip is reported in the table;
+  * a run-time budget: points left when it is spent are reported as skipped, so the report is always written.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from benchmarks.roofline import Roofline, Work
+from benchmarks.timing import Timer
+from reference.config import DSv4Config
+from reference.formats import fp8_format, quantize_per_block
+from reference.weights import Fp8Weight
+
+# Decode and prefill token counts (issue #6); attention decode contexts go up to 32768.
+DECODE_TOKENS = (1, 8, 64, 128)
+PREFILL_TOKENS = (512, 4096, 8192)
+TOKENS = DECODE_TOKENS + PREFILL_TOKENS
+# CPU smoke mode: TINY at one decode and one small prefill token count.
+SMOKE_TOKENS = (1, 16)
+# The eager reference is skipped at larger token counts once one call takes longer than this.
+REF_SLOW_S = 2.0
+BACKEND_NAMES = ("reference", "triton", "deepgemm")
+
+BACKEND, BASELINE = "backend", "baseline"
+
+
+@dataclass(frozen=True)
+class Env:
+    """Where and how a family builds its inputs.
+
+    Attributes:
+        cfg: the model config (FLASH, PRO, or TINY in smoke mode).
+        device: "cuda" or "cpu".
+        fmt: FP8 format name of weights and activations.
+        seed: base seed of every random input.
+        smoke: CPU smoke mode (the same code paths at TINY; nothing reported as a figure).
+    """
+
+    cfg: DSv4Config
+    device: str
+    fmt: str = "e4m3fn"
+    seed: int = 0
+    smoke: bool = False
+
+    def generator(self, salt: int = 0) -> torch.Generator:
+        """A generator on `device` seeded from `seed` and `salt` (inputs are drawn where they live)."""
+        return torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + salt)
+
+    def randn(self, *shape: int, salt: int = 0, dtype: torch.dtype = torch.bfloat16, std: float = 1.0) -> torch.Tensor:
+        """A Gaussian tensor drawn on `device`."""
+        x = torch.randn(shape, generator=self.generator(salt), device=self.device, dtype=torch.float32)
+        return (x * std).to(dtype)
+
+    def fp8_weight(self, n: int, k: int, *, batch: tuple[int, ...] = (), salt: int = 0) -> Fp8Weight:
+        """A random `[*batch, N, K]` block-FP8 weight with the statistics of `reference.weights.random_fp8_weight`
+        (Gaussian, std 1/sqrt(K), quantized by `reference.formats.quantize_per_block`), drawn on `device`.
+
+        The reference constructor draws on the CPU; at FLASH/PRO expert sizes (6.4 G and 25 G values) that
+        takes minutes and more host memory than the machine has, so the same recipe runs on the device
+        here, one leading slice at a time to bound the fp32 temporaries.
+        """
+        data = torch.empty((*batch, n, k), dtype=fp8_format(self.fmt).dtype, device=self.device)
+        scale = torch.empty((*batch, -(-n // 128), -(-k // 128)), dtype=torch.float32, device=self.device)
+        flat_data, flat_scale = data.view(-1, n, k), scale.view(-1, *scale.shape[-2:])
+        for i in range(flat_data.shape[0]):
+            w = self.randn(n, k, salt=salt * 7919 + i, dtype=torch.float32, std=k**-0.5)
+            flat_data[i], flat_scale[i] = quantize_per_block(w, 128, self.fmt)
+        return Fp8Weight(data, scale)
+
+
+@dataclass
+class Candidate:
+    """One thing to time at a point.
+
+    Attributes:
+        name: backend name (`reference`, `triton`, `deepgemm`) or baseline label.
+        kind: `BACKEND` or `BASELINE`.
+        fn: the zero-argument call to time, or None when `na` says why it cannot run.
+        na: the reason it cannot run here.
+    """
+
+    name: str
+    kind: str
+    fn: Callable[[], object] | None = None
+    na: str | None = None
+
+
+@dataclass
+class Point:
+    """One op at one config and token count: its work and its candidates (inputs live in the closures)."""
+
+    op: str
+    config: str
+    tokens: int
+    shape: str
+    work: Work
+    candidates: list[Candidate]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class OpBench:
+    """One benchmarked op of a family.
+
+    Attributes:
+        name: row label ("fp8_einsum", "fp8_linear[wo_b]", "routed_moe", ...).
+        description: one line for the report.
+        make: (family context, env, tokens) -> Point.
+        tokens: the token counts it runs at (default: decode + prefill).
+    """
+
+    name: str
+    description: str
+    make: Callable[[Any, Env, int], Point]
+    tokens: tuple[int, ...] = TOKENS
+
+
+@dataclass(frozen=True)
+class Family:
+    """A group of ops sharing one config's weights (built once by `setup`)."""
+
+    name: str
+    setup: Callable[[Env], Any]
+    ops: tuple[OpBench, ...]
+
+
+@dataclass
+class Result:
+    """One candidate at one point. `status`: "ok", "n/a" (cannot run here, with `reason`), "skipped"
+    (budget rules, with `reason`) or "error" (raised: a bug, with `reason`)."""
+
+    family: str
+    op: str
+    config: str
+    tokens: int
+    shape: str
+    candidate: str
+    kind: str
+    status: str
+    reason: str = ""
+    time_s: float | None = None
+    runs: int = 0
+    first_call_s: float | None = None
+    cold: bool = False
+    flops: float = 0.0
+    bytes: float = 0.0
+    weight_bytes: float = 0.0
+    math: str = "none"
+    bound: str = ""
+    tflops: float | None = None
+    gbps: float | None = None
+    weight_gbps: float | None = None
+    roofline: float | None = None
+    vs_reference: float | None = None
+    vs_baseline: float | None = None
+    best_baseline: str = ""
+    note: str = ""
+
+    def key(self) -> tuple[str, str, int]:
+        return (self.op, self.config, self.tokens)
+
+
+# ------------------------------------------------------------------------------------------------
+# Candidates of the optimized package
+# ------------------------------------------------------------------------------------------------
+
+
+def backend_candidates(op: str | tuple[str, ...], call: Callable[[str], Callable[[], object]],
+                       backends: Iterable[str] = BACKEND_NAMES) -> list[Candidate]:
+    """One candidate per backend of the public op `op` (or of every op of a tuple, for a pipeline of ops):
+    `call(backend)` returns the zero-argument call.
+
+    A backend that does not implement an op, or cannot run on this machine, becomes an n/a candidate
+    with the reason (the op not yet in `optimized`, no registration, the backend's own reason).
+    """
+    from optimized.backends import backend_status, registry
+
+    ops = (op,) if isinstance(op, str) else op
+    impls = registry()
+    out = []
+    for name in backends:
+        missing = [o for o in ops if o not in impls]
+        unregistered = [o for o in ops if o in impls and name not in impls[o]]
+        ok, why = backend_status(name)
+        if missing:
+            out.append(Candidate(name, BACKEND, na=f"`optimized.{missing[0]}` is not implemented yet"))
+        elif unregistered:
+            out.append(Candidate(name, BACKEND, na=f"no {name} implementation of {unregistered[0]} registered"))
+        elif not ok:
+            out.append(Candidate(name, BACKEND, na=why))
+        else:
+            try:
+                out.append(Candidate(name, BACKEND, fn=call(name)))
+            except Exception as exc:  # a setup that fails is reported per candidate
+                out.append(Candidate(name, BACKEND, na=f"setup failed: {_describe(exc)}"))
+    return out
+
+
+def implemented(op: str) -> bool:
+    """`optimized` registers `op` (for families whose setup needs an op that may not have landed)."""
+    from optimized.backends import registry
+
+    return op in registry()
+
+
+def baseline(name: str, build: Callable[[], Callable[[], object]]) -> Candidate:
+    """A baseline candidate whose call `build()` prepares; a failure to prepare makes it n/a with the reason."""
+    try:
+        return Candidate(name, BASELINE, fn=build())
+    except Exception as exc:
+        return Candidate(name, BASELINE, na=_describe(exc))
+
+
+def _describe(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Runner
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Runner:
+    """Runs families over configs and token counts, timing every candidate.
+
+    Attributes:
+        timer: the device timer.
+        roofline: the ceilings measured in this run.
+        reference_points: (op, config, tokens) where the reference is timed whatever it costs.
+        budget_s: wall-clock budget of the whole run; points left after it are reported as skipped.
+        log: progress printer.
+    """
+
+    timer: Timer
+    roofline: Roofline
+    reference_points: frozenset[tuple[str, str, int]] = frozenset()
+    budget_s: float = float("inf")
+    log: Callable[[str], None] = print
+    results: list[Result] = field(default_factory=list)
+    family_seconds: dict[str, float] = field(default_factory=dict)
+    _start: float = field(default_factory=time.perf_counter)
+
+    def run(self, families: Iterable[Family], envs: Iterable[Env], ops: set[str] | None = None,
+            tokens: tuple[int, ...] | None = None) -> list[Result]:
+        """Every selected op of every family at every env (config), in that order."""
+        families = list(families)
+        for env in envs:
+            for family in families:
+                selected = [op for op in family.ops if ops is None or op.name in ops or family.name in ops]
+                if selected:
+                    started = time.perf_counter()
+                    self._run_family(family, env, selected, tokens)
+                    key = f"{family.name}/{env.cfg.name}"
+                    self.family_seconds[key] = time.perf_counter() - started
+                    self.log(f"[bench] {key}: {self.family_seconds[key]:.1f} s")
+        return self.results
+
+    def _over_budget(self) -> bool:
+        return time.perf_counter() - self._start > self.budget_s
+
+    def _run_family(self, family: Family, env: Env, ops: list[OpBench], tokens: tuple[int, ...] | None) -> None:
+        cfg = env.cfg.name
+        if self._over_budget():
+            for op in ops:
+                for t in tokens or op.tokens:
+                    self._record_all(family, op, cfg, t, "skipped", f"run-time budget of {self.budget_s:.0f} s spent")
+            return
+        try:
+            ctx = family.setup(env)
+        except Exception as exc:
+            self.log(f"[bench] {family.name}/{cfg} setup failed:\n{traceback.format_exc()}")
+            for op in ops:
+                for t in tokens or op.tokens:
+                    self._record_all(family, op, cfg, t, "error", f"family setup failed: {_describe(exc)}")
+            return
+        for op in ops:
+            slow_ref: tuple[int, float] | None = None
+            for t in sorted(tokens or op.tokens):
+                if self._over_budget():
+                    self._record_all(family, op, cfg, t, "skipped", f"run-time budget of {self.budget_s:.0f} s spent")
+                    continue
+                slow_ref = self._run_point(family, op, env, ctx, t, slow_ref)
+        del ctx
+        self._free()
+
+    def _record_all(self, family: Family, op: OpBench, cfg: str, tokens: int, status: str, reason: str) -> None:
+        self.results.append(Result(family.name, op.name, cfg, tokens, "", "*", "", status, reason))
+
+    def _run_point(self, family: Family, op: OpBench, env: Env, ctx: Any, tokens: int,
+                   slow_ref: tuple[int, float] | None) -> tuple[int, float] | None:
+        cfg = env.cfg.name
+        try:
+            point = op.make(ctx, env, tokens)
+        except Exception as exc:
+            self.log(f"[bench] {op.name}/{cfg}/T={tokens} setup failed:\n{traceback.format_exc()}")
+            self._record_all(family, op, cfg, tokens, "error", f"point setup failed: {_describe(exc)}")
+            self._free()
+            return slow_ref
+        point_results = []
+        for cand in point.candidates:
+            res = Result(family.name, op.name, cfg, tokens, point.shape, cand.name, cand.kind, "ok",
+                         flops=point.work.flops, bytes=point.work.bytes, weight_bytes=point.work.weight_bytes,
+                         math=point.work.math, bound=self.roofline.bound(point.work), note=point.note)
+            is_ref = cand.name == "reference" and cand.kind == BACKEND
+            if cand.fn is None:
+                res.status, res.reason = "n/a", cand.na or "unavailable"
+            elif is_ref and slow_ref is not None and (op.name, cfg, tokens) not in self.reference_points:
+                res.status = "skipped"
+                res.reason = (f"reference took {slow_ref[1]:.1f} s per call at T={slow_ref[0]} (> {REF_SLOW_S:g} s); "
+                              "timed only where a target needs it")
+            else:
+                self._measure(cand, res, point.work)
+                if is_ref and res.time_s is not None and res.time_s > REF_SLOW_S and slow_ref is None:
+                    slow_ref = (tokens, res.time_s)
+            point_results.append(res)
+            self.log(f"[bench] {cfg:5s} {op.name:28s} T={tokens:<5d} {cand.name:34s} {_short(res)}")
+        _compare(point_results)
+        self.results.extend(point_results)
+        del point
+        self._free()
+        return slow_ref
+
+    def _measure(self, cand: Candidate, res: Result, work: Work) -> None:
+        assert cand.fn is not None
+        is_ref = cand.name == "reference" and cand.kind == BACKEND
+        try:
+            timing = self.timer.time(cand.fn, slow_s=REF_SLOW_S if is_ref else None)
+        except torch.cuda.OutOfMemoryError as exc:
+            res.status = "n/a" if cand.kind == BASELINE or is_ref else "error"
+            res.reason = f"out of GPU memory ({_describe(exc)[:120]})"
+            self._free()
+            return
+        except Exception as exc:
+            res.status = "error"
+            res.reason = _describe(exc)
+            self.log(f"[bench] {res.op}/{res.config}/T={res.tokens}/{cand.name} raised:\n{traceback.format_exc()}")
+            self._free()
+            return
+        t = timing.median_s
+        res.time_s, res.runs, res.first_call_s, res.cold = t, timing.runs, timing.first_call_s, timing.cold
+        res.tflops = work.flops / t / 1e12 if work.flops else None
+        res.gbps = work.bytes / t / 1e9
+        res.weight_gbps = work.weight_bytes / t / 1e9 if work.weight_bytes else None
+        res.roofline = self.roofline.floor_s(work) / t
+
+    def _free(self) -> None:
+        if self.timer.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _compare(results: list[Result]) -> None:
+    """Fill the speedups of each result over the reference and over the fastest baseline of the point."""
+    timed = [r for r in results if r.status == "ok" and r.time_s]
+    ref = next((r for r in timed if r.candidate == "reference" and r.kind == BACKEND), None)
+    baselines = [r for r in timed if r.kind == BASELINE]
+    best = min(baselines, key=lambda r: r.time_s or 0.0) if baselines else None
+    for r in timed:
+        assert r.time_s is not None
+        if ref is not None and ref.time_s:
+            r.vs_reference = ref.time_s / r.time_s
+        if best is not None and best.time_s and r is not best:
+            r.vs_baseline, r.best_baseline = best.time_s / r.time_s, best.candidate
+
+
+def _short(res: Result) -> str:
+    if res.status != "ok" or res.time_s is None:
+        return f"{res.status}: {res.reason}"
+    return f"{res.time_s * 1e6:10.1f} us  roofline {res.roofline or 0:.0%}" + ("  (cold call)" if res.cold else "")

@@ -1,0 +1,109 @@
+"""Timing of one callable: median of warm runs with the L2 cache flushed before each (Triton `do_bench` style).
+
+On a GPU every run is bracketed by CUDA events recorded on the current stream, right after a write of a
+256 MB buffer that evicts whatever the previous run left in L2 (the H200 has 50 MB of L2, so nothing
+survives); the flush itself lies outside the events. The first call is timed separately by the wall
+clock (it includes Triton / DeepGEMM JIT compilation and is reported as such, never as the figure).
+
+On the CPU the same procedure runs with `time.perf_counter` and no flush. It exists only to prove the
+benchmark code paths in CI; no CPU figure is ever reported as a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# Bytes written between runs to flush the L2: 5x the H200's 50 MB L2 (Triton's do_bench uses 256 MB too).
+L2_FLUSH_BYTES = 256 * 2**20
+# Defaults: at most this many timed runs per point, or fewer when they would take longer than the budget.
+MAX_RUNS = 20
+RUN_BUDGET_S = 0.1
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What one `Timer.time` call measured.
+
+    Attributes:
+        median_s: median time of the timed runs, seconds.
+        runs: how many timed runs the median is over.
+        first_call_s: wall time of the first (warm-up) call, JIT compilation included.
+        min_s, max_s: fastest and slowest timed run.
+        cold: the figure is the first call itself (it took longer than `slow_s`; see `Timer.time`).
+    """
+
+    median_s: float
+    runs: int
+    first_call_s: float
+    min_s: float
+    max_s: float
+    cold: bool = False
+
+
+class Timer:
+    """Times callables on one device (`"cuda"` or `"cpu"`)."""
+
+    def __init__(self, device: str, *, max_runs: int = MAX_RUNS, budget_s: float = RUN_BUDGET_S,
+                 flush_bytes: int = L2_FLUSH_BYTES) -> None:
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"device: expected 'cuda' or 'cpu', got {device!r}")
+        if max_runs < 1:
+            raise ValueError(f"max_runs: expected >= 1, got {max_runs}")
+        self.device = device
+        self.max_runs = max_runs
+        self.budget_s = budget_s
+        self._flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device="cuda") if device == "cuda" else None
+
+    def flush_l2(self) -> None:
+        """Overwrite the flush buffer so the next run starts with a cold L2 (no-op on the CPU)."""
+        if self._flush is not None:
+            self._flush.zero_()
+
+    def time(self, fn: Callable[[], object], *, max_runs: int | None = None, slow_s: float | None = None) -> Timing:
+        """Call `fn` once to warm up, then time it `n` times and return the median.
+
+        `n` = `max_runs`, or fewer so that the timed runs take about `budget_s` (at least one run).
+        When the warm-up call alone takes longer than `slow_s` (the eager reference at large shapes), that
+        call is the figure (`cold=True`): an upper bound, since it includes first-call overheads.
+        """
+        max_runs = self.max_runs if max_runs is None else max_runs
+        first = self._wall(fn)
+        if slow_s is not None and first > slow_s:
+            return Timing(first, 1, first, first, first, cold=True)
+        estimate = self._timed_runs(fn, 1)[0]
+        n = max(1, min(max_runs, math.floor(self.budget_s / max(estimate, 1e-9))))
+        samples = [estimate, *self._timed_runs(fn, n - 1)] if n > 1 else [estimate]
+        return Timing(statistics.median(samples), len(samples), first, min(samples), max(samples))
+
+    def _wall(self, fn: Callable[[], object]) -> float:
+        self._sync()
+        start = time.perf_counter()
+        fn()
+        self._sync()
+        return time.perf_counter() - start
+
+    def _timed_runs(self, fn: Callable[[], object], n: int) -> list[float]:
+        if n <= 0:
+            return []
+        if self.device == "cpu":
+            return [self._wall(fn) for _ in range(n)]
+        events = []
+        for _ in range(n):
+            self.flush_l2()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) * 1e-3 for start, end in events]
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
