@@ -69,3 +69,34 @@ def fp8_quant_dequant_bound(step: float) -> float:
     """Per element, quantize -> dequantize moves a value by at most half an FP8 step (RNE), where the
     step is the spacing of the E4M3 grid at that value times the block's power-of-two scale."""
     return 0.5 * step
+
+
+# ------------------------------------------------------------------------------------------------
+# Golden results (parity_tests/golden.py): the reference re-run on the CPU against its own stored outputs.
+# The reference is deterministic for fixed inputs; across machines only fp32 summation order changes (BLAS
+# kernels differ by ISA, vendor dispatch and thread count): ~1e-7 relative in fp32, which flips a bf16
+# output by exactly 1 ULP only where the fp32 value sits within ~1e-7 of a rounding boundary (a few
+# elements in 1e5), and moves whole-tensor statistics by < 1e-7 of the RMS. A formula change moves most
+# elements by many ULPs; a change that moves values by less than an ULP still moves many sampled values
+# by one ULP, which the `moved` count sees.
+# ------------------------------------------------------------------------------------------------
+GOLDEN_STATS = Bound(
+    "simulated", "max |stat - golden| / rms", 1e-5,
+    "mean, mean|x|, rms of the whole output: summation-order noise is < 1e-7 of the rms; 100x headroom",
+)
+GOLDEN_VALUES = Bound(
+    "simulated", "max |x - golden| / tol", 1.0,
+    "sampled values and amax; tol = 1 ULP of the output dtype at the value, or 1e-5 rms if larger (integer "
+    "outputs: exact): a reordered fp32 sum can flip a bf16 rounding by one ULP, never by two",
+)
+GOLDEN_MOVED = Bound(
+    "simulated", "fraction of samples moved >= tol / 2", 1 / 32,
+    "a one-ULP flip from summation order hits ~1e-4 of the elements; 4 of 128 samples is far above that "
+    "and far below the share a sub-ULP formula change (an eps, a rounding place) moves",
+)
+
+# The bad-input corpus (parity_tests/bad_inputs.py): every malformed call raises exactly the documented
+# error type with the documented message fragment, or returns exactly the documented output.
+BAD_INPUT_CONTRACT = Bound(
+    "bitwise", "violations", 0, "a documented contract: the exact error type and message, or the defined output",
+)

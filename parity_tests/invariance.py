@@ -1,0 +1,148 @@
+"""Determinism, batch invariance and CUDA-graph capture, per backend, over the probes of `probes.py`.
+
+* determinism: the same inputs twice give bitwise-equal outputs (spec §7.1 pitfall 15), unless the
+  backend registered the op with `deterministic=False` (then the case is "not run: <its note>").
+* batch invariance: a probe's outputs do not change, bit for bit, when other tokens / sequences are put
+  in the same call (`Probe.join`): no split-K, tile shape or reduction order that depends on the batch.
+* CUDA graphs: a decode-path probe makes no host synchronization (`torch.cuda.set_sync_debug_mode`),
+  can be captured in a `torch.cuda.CUDAGraph`, and the replay gives the eager result bit for bit; a
+  second replay after copying new inputs into the captured buffers gives their eager result. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import torch
+
+from optimized.backends import BACKENDS
+from parity_tests.cases import Check, NotRun
+from parity_tests.probes import Probe, all_probes, as_tensors, bitwise_mismatches
+from parity_tests.report import Task, shape_matches
+from parity_tests.tolerances import BITWISE
+
+
+def _mismatches(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[int, str]:
+    if len(a) != len(b):
+        return max(len(a), len(b)), f"{len(a)} vs {len(b)} outputs"
+    counts = [bitwise_mismatches(x, y) for x, y in zip(a, b)]
+    total = sum(x.numel() for x in a)
+    return sum(counts), f"{sum(counts)} of {total} elements differ over {len(a)} outputs"
+
+
+def _require_deterministic(probe: Probe, backend: str) -> None:
+    from optimized.backends import registry
+
+    impl = registry().get(probe.op, {}).get(backend)
+    if impl is not None and not impl.deterministic:
+        raise NotRun(f"{backend} registers {probe.op} as non-deterministic ({impl.note or 'no reason given'})")
+
+
+def check_rerun(probe: Probe, backend: str, device: str) -> list[Check]:
+    """The same inputs twice (built afresh each time, so stateful calls start equal): bitwise equal."""
+    _require_deterministic(probe, backend)
+    first = [t.clone() for t in probe.run(backend, device)]
+    second = probe.run(backend, device)
+    n, detail = _mismatches(first, second)
+    return [Check("rerun_bitwise_equal", BITWISE, n, detail)]
+
+
+def check_batch(probe: Probe, backend: str, device: str) -> list[Check]:
+    """The probe alone vs the probe joined with other tokens / sequences: its outputs bitwise equal."""
+    if probe.join is None:
+        raise NotRun(f"{probe.op} has no batch dimension")
+    _require_deterministic(probe, backend)
+    alone = [t.clone() for t in probe.run(backend, device)]
+    joined, extract = probe.join(probe.make(device, 0), probe.make(device, 1))
+    together = as_tensors(extract(probe.call(joined, backend)))
+    n, detail = _mismatches(alone, together)
+    return [Check("batch_invariant_bitwise_equal", BITWISE, n, detail)]
+
+
+def _copy_into(static: object, fresh: object) -> bool:
+    """Copy every tensor of `fresh` into the same place in `static` (dicts, sequences, dataclasses, plain
+    objects); False when the two differ in anything but tensor values (then nothing is guaranteed)."""
+    if isinstance(static, torch.Tensor):
+        if not isinstance(fresh, torch.Tensor) or fresh.shape != static.shape or fresh.dtype != static.dtype:
+            return False
+        static.copy_(fresh)
+        return True
+    if isinstance(static, dict):
+        return (isinstance(fresh, dict) and static.keys() == fresh.keys()
+                and all(_copy_into(static[k], fresh[k]) for k in static))
+    if isinstance(static, (list, tuple)):
+        return (type(static) is type(fresh) and len(static) == len(fresh)
+                and all(_copy_into(s, f) for s, f in zip(static, fresh)))
+    if dataclasses.is_dataclass(static) and not isinstance(static, type):
+        return type(static) is type(fresh) and all(
+            _copy_into(getattr(static, f.name), getattr(fresh, f.name)) for f in dataclasses.fields(static))
+    if hasattr(static, "__dict__") and not callable(static):
+        return type(static) is type(fresh) and _copy_into(vars(static), vars(fresh))
+    return bool(static == fresh)
+
+
+def check_cuda_graph(probe: Probe, backend: str, device: str) -> list[Check]:
+    """No host sync in an eager call; capture, replay == eager; new inputs copied in, replay == their eager."""
+    if device != "cuda" or not torch.cuda.is_available():
+        raise NotRun("CUDA-graph capture needs a GPU (torch.cuda.is_available() is False)")
+    eager = [t.clone() for t in probe.run(backend, device)]  # also compiles every kernel (warm-up)
+    torch.cuda.synchronize()
+
+    inputs = probe.make(device, 0)
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        probe.call(inputs, backend)
+        syncs, sync_detail = 0, "no synchronizing call"
+    except RuntimeError as exc:
+        syncs, sync_detail = 1, f"host synchronization: {exc}"
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    checks = [Check("no_host_sync", BITWISE, syncs, sync_detail)]
+
+    static = probe.make(device, 0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs recommends
+        probe.run(backend, device)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = as_tensors(probe.call(static, backend))
+    graph.replay()
+    torch.cuda.synchronize()
+    n, detail = _mismatches(eager, captured)
+    checks.append(Check("graph_replay_equals_eager", BITWISE, n, detail))
+
+    fresh = probe.make(device, 1)
+    if _copy_into(static, fresh):  # stateless calls: replay on new data in the same buffers
+        expect = [t.clone() for t in probe.run(backend, device, variant=1)]
+        graph.replay()
+        torch.cuda.synchronize()
+        n, detail = _mismatches(expect, captured)
+        checks.append(Check("graph_replay_new_inputs_equals_eager", BITWISE, n, detail))
+    return checks
+
+
+def _tasks(suite: str, check: Callable[[Probe, str, str], list[Check]], keep: Callable[[Probe], bool],
+           candidates: tuple[str, ...], configs: list[str], device: str, ops: list[str] | None,
+           backends: list[str] | None, shapes: list[str] | None) -> list[Task]:
+    tasks = []
+    for config in configs:
+        for probe in all_probes(config, device, ops):
+            if not keep(probe) or not shape_matches(probe.shape, shapes):
+                continue
+            for backend in (b for b in candidates if backends is None or b in backends):
+                tasks.append(Task(suite, probe.op, probe.config, probe.shape, probe.fmt, probe.seed, backend,
+                                  functools.partial(check, probe, backend, device), registry_op=probe.op))
+    return tasks
+
+
+determinism_tasks = functools.partial(_tasks, "determinism", check_rerun, lambda p: True, BACKENDS)
+batch_tasks = functools.partial(_tasks, "batch_invariance", check_batch, lambda p: p.join is not None, BACKENDS)
+# The reference is free to synchronize (it is eager PyTorch); the claim is about the optimized backends.
+cuda_graph_tasks = functools.partial(_tasks, "cuda_graph", check_cuda_graph, lambda p: p.decode,
+                                     ("triton", "deepgemm"))
