@@ -1,0 +1,65 @@
+"""Sums whose result does not depend on their order: fp64 accumulation, one rounding to fp32.
+
+Why this file exists. An fp32 matmul's result for one row depends on how many rows share the call:
+MKL (and cuBLAS) pick different kernels and K blockings by M, so `x[:1] @ W.T` and `(x @ W.T)[:1]`
+differ in the last bits (measured on this project's CPU torch for every M < 12 that is not a multiple
+of 4). A reference built on such sums cannot make decode (one token per sequence) bitwise equal to
+prefill (all tokens at once), nor make an attention row independent of how wide the padded index
+list is. Here every reduction the attention reference performs accumulates in fp64 and rounds once
+to fp32, where the official code holds its accumulator. Products of bf16 or fp32 operands are exact
+in fp64 and the fp64 sum carries 29 more bits than the fp32 result, so the rounded result is the
+fp32 rounding of the exact sum whatever the order (except for sums that land within 2^-53 of an fp32
+rounding boundary, which random data does not hit). Against the kernels this is the same function:
+they differ from it only by their own fp32 summation order (spec §2.5, §7.1 pitfall 8).
+
+`fp8_linear` is `reference.linear.fp8_linear` (spec §2.5: `act_quant` then the block-FP8 product)
+with this accumulation; the attention projections use it so that a token's projection is the same
+in every batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reference.linear import act_quant_dequant
+from reference.numerics import Numerics
+from reference.weights import Fp8Weight
+
+
+def einsum_fp32(expr: str, *operands: torch.Tensor) -> torch.Tensor:
+    """`torch.einsum(expr, *operands)` accumulated in fp64 and rounded once to fp32."""
+    return torch.einsum(expr, *(t.double() for t in operands)).float()
+
+
+def sum_fp32(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """`x.sum(dim)` accumulated in fp64 and rounded once to fp32."""
+    return x.double().sum(dim=dim, keepdim=keepdim).float()
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x W^T` with fp32 output (operands of any float dtype, upcast exactly).
+
+    Args:
+        x: [..., K].
+        weight: [N, K].
+
+    Returns:
+        [..., N] fp32.
+    """
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"x: last dim {x.shape[-1]} does not match the weight's K {weight.shape[-1]}")
+    return einsum_fp32("...k,nk->...n", x, weight)
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight, numerics: Numerics) -> torch.Tensor:
+    """Block-FP8 linear (official `fp8_gemm`, spec §2.5): x quantized per token per `act_block`
+    channels, times the dequantized FP8 weight, fp32 accumulation, bf16 output.
+
+    Args:
+        x: [..., K] bf16.
+        weight: `Fp8Weight` [N, K].
+
+    Returns:
+        [..., N] bf16.
+    """
+    return linear_fp32(act_quant_dequant(x, numerics), weight.dequantize()).to(torch.bfloat16)
