@@ -81,9 +81,56 @@ def _patch_interpreter_fnuz() -> None:
     interpreter._patch_lang_core = patch_lang_core
 
 
+def _patch_interpreter_scalar_index() -> None:
+    """Let a runtime scalar bound a loop (`for i in range(0, n)`) under NumPy >= 2.4: Triton 3.6's interpreter
+    holds kernel scalars as 1-element arrays and converts them with `int(array)`, which NumPy 2.4 rejects for
+    arrays with ndim > 0.
+    """
+    from triton.runtime import interpreter
+
+    if getattr(interpreter._patch_lang_tensor, "_dsv4_index", False):
+        return
+    original_patch = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor._dsv4_index = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def _patch_interpreter_bf16_dot() -> None:
+    """Make `tl.dot` of bf16 operands multiply values, not bit patterns: Triton 3.6's interpreter stores bf16 as
+    uint16 and its `create_dot` hands those integers to `np.matmul`. bf16 -> fp32 is exact, and so is every
+    bf16 x bf16 product in fp32, as in the GPU's MMA.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "_dsv4_bf16", False):
+        return
+    original_dot = builder.create_dot
+
+    def as_fp32(handle):
+        if handle.dtype == tl.bfloat16:
+            return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return handle
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original_dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot._dsv4_bf16 = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot
+
+
 def prepare_interpreter() -> None:
     """Apply the interpreter fixes when `TRITON_INTERPRET=1` (a no-op on GPUs)."""
     from optimized.backends import detect
 
     if detect().interpret:
         _patch_interpreter_fnuz()
+        _patch_interpreter_scalar_index()
+        _patch_interpreter_bf16_dot()
