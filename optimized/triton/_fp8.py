@@ -126,6 +126,31 @@ def _patch_interpreter_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
+def _patch_interpreter_bf16_rounding() -> None:
+    """Round fp32 -> bf16 casts to nearest even, as the GPU does: Triton 3.6's interpreter truncates the
+    mantissa, which biases every bf16 result (outputs, P before P V) toward zero.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.cast_impl, "_dsv4_rne", False):
+        return
+    original_cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+            rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            quiet_nan = ((bits >> 16) | 0x40).astype(np.uint16)
+            return interpreter.TensorHandle(np.where(np.isnan(src.data), quiet_nan, rounded), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    cast_impl._dsv4_rne = True  # type: ignore[attr-defined]
+    builder.cast_impl = cast_impl
+
+
 def prepare_interpreter() -> None:
     """Apply the interpreter fixes when `TRITON_INTERPRET=1` (a no-op on GPUs)."""
     from optimized.backends import detect
@@ -134,3 +159,4 @@ def prepare_interpreter() -> None:
         _patch_interpreter_fnuz()
         _patch_interpreter_scalar_index()
         _patch_interpreter_bf16_dot()
+        _patch_interpreter_bf16_rounding()
