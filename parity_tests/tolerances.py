@@ -100,3 +100,93 @@ GOLDEN_MOVED = Bound(
 BAD_INPUT_CONTRACT = Bound(
     "bitwise", "violations", 0, "a documented contract: the exact error type and message, or the defined output",
 )
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE (spec §5; parity_tests/ops/moe.py). Derivations below; the numbers quoted as "measured" come from
+# the reference itself on the CPU (random weights of `reference.moe.random_moe_weights`).
+# ------------------------------------------------------------------------------------------------
+
+# Router logits l = x . g over D <= 7168 bf16 x bf16 products, each exact in fp32, so two implementations
+# differ only in fp32 summation order. A sequential sum's error is a random walk of D roundings of the
+# running sum: RMS 2^-24 * sigma_l * sqrt(D / 6) = 4e-6 at D = 7168 for logit std sigma_l = 2; 5 sigma
+# over the 1.6 M logits of PRO at T = 4096, with both sides ordered worst: |dl| <= 3e-5 (measured vs fp64:
+# 1.2e-5 sequential, 2.4e-6 blocked BLAS). Tiled GPU sums are far below that.
+ROUTER_LOGIT_ERROR = 3e-5
+
+# Two experts can swap places in the top-k only if the reference's keys (s + b) of the two differ by at most
+# what both keys can move: |ds| <= |dl| / 2 (ds/dl = sigmoid(l) / (2 sqrt(softplus(l))) <= 0.32) on each,
+# plus half an fp32 ulp of the key (~8..16: 2^-21) on each side: 3e-5 + 2e-6. Swaps between experts whose
+# keys are closer than this are near ties (spec §7.1 pitfall 5); any other difference of the sets fails.
+ROUTE_NEAR_TIE_GAP = 4e-5
+
+ROUTE_SETS = Bound(
+    "bitwise", "tokens whose expert set differs beyond a near tie", 0,
+    "selection is exact up to near ties (gap <= ROUTE_NEAR_TIE_GAP); exact ties go to the lower expert id; "
+    "hash routing is a table lookup",
+)
+
+# w_i = route_scale * s_i / sum_j s_j: d ln s <= |dl| / 2 per score, the renormalization adds at most as much
+# again, so |dw_i| <= w_i * |dl| <= route_scale (2.5) * 3e-5 = 7.5e-5, plus a few fp32 ulps of 2.5 (1e-6).
+# A missing renormalization or route_scale, or a bias leaking into the weights, moves weights by > 1e-2.
+ROUTE_WEIGHTS = Bound(
+    "simulated", "max_abs_error", 1e-4,
+    "route_scale x logit error (2.5 x 3e-5) + fp32 rounding; real bugs move weights by > 1e-2",
+)
+
+# Logits of +-30 built exactly (one-hot x): only exp, log1p, sqrt, the sum and the division differ between
+# implementations, each within ~2 fp32 ulps: < 16 ulps = 1e-6 relative. 10x headroom. A score that
+# underflows to 0 at l = -30 (log(1 + exp(l)) in fp32) is a relative error of 1.
+ROUTE_EXTREME_WEIGHTS = Bound(
+    "simulated", "max_rel_error", 1e-5,
+    "exact logits: elementwise math only (< 16 fp32 ulps); an underflowed score is 1.0",
+)
+
+# Experts and the whole layer against the reference with the same numerics. Differences: fp32 summation
+# order (including the H200's FP8 accumulator, ~14 bits per 128-K block before fp32 promotion, spec §7.1
+# pitfall 8), which can flip the bf16 rounding of a gate/up value (one bf16 ulp) and then, on about 1 in 32
+# such elements, the FP8 rounding of the SwiGLU output (one FP8 step, 1/16..1/8 of the value) — rare
+# elements, so calc_diff and not bitwise. Modelled by perturbing every linear output by relative noise of
+# 2^-14 (the accumulator), at D 1024, I 512, T 256: calc_diff 6.0e-6..6.5e-6; pure fp32 reordering
+# (fp64 accumulation) gives 1e-10. The bound keeps 3x over the accumulator model and stays under what real
+# mistakes cost (measured): gate/up not rounded to bf16 9.3e-5, no SwiGLU clamp 1.3e-4, routing weight
+# applied after the down projection 7.2e-4. (Per-32 vs per-128 activation scales differ by 3e-9 on
+# Gaussian data: E4M3 is floating point, the block scale rarely matters, so no calc_diff can see it.)
+MOE_SIMULATED = Bound(
+    "simulated", "calc_diff", 2e-5,
+    "accumulator-noise model 6.5e-6 x 3; missing bf16 gate/up rounding 9e-5, missing clamp 1.3e-4",
+)
+
+# Experts and the whole layer against the EXACT reference (fp32 activations, the same FP8/FP4 weights).
+# Three E4M3 roundings sit in series: x before w1 and w3, and the SwiGLU output before w2. One rounding of
+# Gaussian-like data costs calc_diff 3.5e-4 (relative error variance 2^-8 / 3 * E[1/m^2] = 7.0e-4 for
+# mantissas m log-uniform in [1, 2), halved by calc_diff; measured 3.53e-4), and the x rounding reaches the
+# output through both g and u of silu(g) * u: expected ~3 x 3.5e-4 = 1.05e-3; measured 1.03e-3..1.10e-3
+# (TINY and D 1024, FP8 and FP4 experts, official and MegaMoE numerics). DeepGEMM's 1e-3 for one FP8 GEMM
+# covers two roundings in parallel, not three in series, so the MoE chain needs 2x its bound. A wrong
+# expert, scale or clamp costs > 1e-2.
+MOE_END_TO_END = Bound(
+    "end_to_end", "calc_diff", 2e-3,
+    "three E4M3 roundings in series (3 x 3.5e-4, measured 1.03e-3..1.10e-3 for the reference itself)",
+)
+
+# `reference.moe.sqrt_softplus` below l = -20 is e^(l/2): torch's fp32 exp is faithful (< 1 ulp), l/2 is exact,
+# and softplus(l) = e^l there up to 2^-29 relative, far under half an ulp: at most 1 ulp from the fp64 truth.
+SQRT_SOFTPLUS_ULPS = Bound(
+    "simulated", "ulp_distance vs fp64", 1, "faithful fp32 exp of an exact argument; the e^l tail error is < 2^-29",
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention reference self-checks (parity_tests/test_attention_reference.py)
+# ------------------------------------------------------------------------------------------------
+
+# `sparse_attention` rounds the probabilities to bf16 before P V (official kernel) and its output to bf16; a
+# plain fp32 softmax with the sink as one more logit does neither. The output rounding alone is calc_diff
+# ~1.4e-6 (see FP8_GEMM_SIMULATED); rounding P adds a relative error <= 2^-9 per weight that averages down over
+# the keys: measured 2.1e-6..2.3e-6 in total (40 keys, 4 heads, sink share 12-28 %, five seeds). 4x headroom.
+# A missing sink, or one scaled by 512^-0.5, costs 8e-3..5e-2 on the same inputs.
+ATTENTION_UNROUNDED_P = Bound(
+    "simulated", "calc_diff", 1e-5,
+    "bf16 P and bf16 output vs an fp32 softmax: measured 2.2e-6; a missing or scaled sink costs > 8e-3",
+)

@@ -91,4 +91,13 @@ EXACT = Numerics(
     gate_up_bf16=False,
 )
 
-PRESETS: dict[str, Numerics] = {n.name: n for n in (OFFICIAL, VLLM_NVIDIA, EXACT)}
+# DeepGEMM MegaMoE's expert numerics (spec §5.4), so the reference can stand in for that kernel: the
+# expert inputs quantized per token per 32 channels (ue8m0, amax floor 1e-4), gate/up rounded to bf16
+# before the clamp. Attention fields stay official (this preset is about the MoE block; its shared
+# expert, which MegaMoE does not run, is quantized per 32 as well). Not
+# simulated: MegaMoE quantizes the fp32 SwiGLU output straight to FP8 (no bf16 rounding, no amax
+# floor) and uses fast-math silu; the reference keeps the official bf16 cast before the down
+# projection, as the Triton/DeepGEMM MoE backends of this package do.
+MEGAMOE = Numerics(name="megamoe", act_block=32)
+
+PRESETS: dict[str, Numerics] = {n.name: n for n in (OFFICIAL, VLLM_NVIDIA, EXACT, MEGAMOE)}
