@@ -19,6 +19,6 @@ from benchmarks.suite import Family
 
 def families() -> list[Family]:
     """Every op family, in report order (importing them imports nothing heavy beyond torch)."""
-    from benchmarks import ops_einsum, ops_moe
+    from benchmarks import ops_attention, ops_einsum, ops_moe
 
-    return [ops_einsum.FAMILY, ops_moe.FAMILY]
+    return [ops_einsum.FAMILY, ops_moe.FAMILY, ops_attention.FAMILY]

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cpu" if smoke else "cuda"
     hw = detect()
-    timer = Timer(device, max_runs=1 if smoke else args.runs)
+    timer = Timer(device, max_runs=args.runs, single_call=smoke)
     started = time.perf_counter()
     roofline = measure(timer, smoke=smoke)
     print(f"[bench] ceilings: bf16 {roofline.bf16_flops / 1e12:.1f} TFLOP/s, FP8 {roofline.fp8_flops / 1e12:.1f} "

@@ -175,7 +175,7 @@ def routed_moe_point(ctx: MoEContext, env: Env, tokens: int) -> Point:
         return run
 
     work = route_work(env, tokens) + experts_work(ctx, env, tokens, ids)
-    work = Work(work.flops, work.bytes - tokens * cfg.dim * BF16, "fp8", work.weight_bytes)  # x is read once
+    work = work.with_bytes(work.bytes - tokens * cfg.dim * BF16)  # x is read once
     cands = backend_candidates(("route", "experts"), call)
     return Point("routed_moe", cfg.name, tokens, _shape(env, tokens), work, cands,
                  note="route then experts with the same backend: routing to combine, no shared expert")
@@ -191,7 +191,7 @@ def moe_point(ctx: MoEContext, env: Env, tokens: int) -> Point:
         return lambda: optimized.moe(x, w, token_ids=None, cfg=cfg, numerics=ctx.numerics, backend=backend)
 
     work = route_work(env, tokens) + experts_work(ctx, env, tokens, ids) + shared_work(ctx, tokens)
-    work = Work(work.flops, work.bytes - tokens * cfg.dim * BF16, "fp8", work.weight_bytes)  # x is read once
+    work = work.with_bytes(work.bytes - tokens * cfg.dim * BF16)  # x is read once
     return Point("moe", cfg.name, tokens, _shape(env, tokens), work, backend_candidates("moe", call),
                  note="the whole layer: route, routed experts, shared expert")
 

@@ -14,7 +14,8 @@ of the roofline" reported for a measurement is floor / measured time (1.0 = at t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,21 +40,36 @@ class Work:
         math: the compute ceiling that applies: `"fp8"` (FP8 tensor cores), `"bf16"`, or `"none"` (no
             matmul: the op is held against the copy bandwidth alone).
         weight_bytes: the part of `bytes` that is weights (the MoE decode target streams these).
+        parts: the pieces of a composite op, each with its own compute ceiling (`math` is then the label of
+            the piece with the most FLOP); empty for a single op.
     """
 
     flops: float
     bytes: float
     math: str = "fp8"
     weight_bytes: float = 0.0
+    parts: tuple[Work, ...] = ()
 
     def __post_init__(self) -> None:
         if self.math not in ("fp8", "bf16", "none"):
             raise ValueError(f"math: expected 'fp8', 'bf16' or 'none', got {self.math!r}")
 
     def __add__(self, other: Work) -> Work:
-        """Work of two ops run one after the other (the compute ceiling of the heavier FP8 part wins)."""
-        math = "fp8" if "fp8" in (self.math, other.math) else ("bf16" if "bf16" in (self.math, other.math) else "none")
-        return Work(self.flops + other.flops, self.bytes + other.bytes, math, self.weight_bytes + other.weight_bytes)
+        """Work of two ops run one after the other: FLOP, bytes and weights add, each part keeps its ceiling."""
+        parts = (self.parts or (self,)) + (other.parts or (other,))
+        heaviest = max(parts, key=lambda p: p.flops)
+        return Work(self.flops + other.flops, self.bytes + other.bytes, heaviest.math,
+                    self.weight_bytes + other.weight_bytes, parts)
+
+    def with_bytes(self, total: float) -> Work:
+        """The same work with a corrected byte count (an intermediate counted twice by `+`, say)."""
+        return replace(self, bytes=total)
+
+    def compute_s(self, peak: Callable[[str], float]) -> float:
+        """Time of the FLOP at the ceilings `peak(math)`, piece by piece."""
+        if self.parts:
+            return sum(p.compute_s(peak) for p in self.parts)
+        return self.flops / peak(self.math) if self.flops else 0.0
 
 
 @dataclass(frozen=True)
@@ -79,14 +95,12 @@ class Roofline:
         return {"fp8": self.fp8_flops, "bf16": self.bf16_flops, "none": float("inf")}[math]
 
     def floor_s(self, work: Work) -> float:
-        """The roofline time of `work`: max(compute time at the ceiling, traffic time at the copy bandwidth)."""
-        compute = work.flops / self.peak(work.math) if work.flops else 0.0
-        return max(compute, work.bytes / self.copy_bytes)
+        """The roofline time of `work`: max(compute time at the ceilings, traffic time at the copy bandwidth)."""
+        return max(work.compute_s(self.peak), work.bytes / self.copy_bytes)
 
     def bound(self, work: Work) -> str:
         """`"compute"` or `"memory"`: which side of the roofline `work` sits on."""
-        compute = work.flops / self.peak(work.math) if work.flops else 0.0
-        return "compute" if compute > work.bytes / self.copy_bytes else "memory"
+        return "compute" if work.compute_s(self.peak) > work.bytes / self.copy_bytes else "memory"
 
     def as_dict(self) -> dict[str, float | str | bool]:
         return {"bf16_tflops": self.bf16_flops / 1e12, "fp8_tflops": self.fp8_flops / 1e12,

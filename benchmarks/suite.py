@@ -167,6 +167,7 @@ class Result:
     weight_bytes: float = 0.0
     math: str = "none"
     bound: str = ""
+    floor_s: float | None = None
     tflops: float | None = None
     gbps: float | None = None
     weight_gbps: float | None = None
@@ -363,7 +364,8 @@ class Runner:
         res.tflops = work.flops / t / 1e12 if work.flops else None
         res.gbps = work.bytes / t / 1e9
         res.weight_gbps = work.weight_bytes / t / 1e9 if work.weight_bytes else None
-        res.roofline = self.roofline.floor_s(work) / t
+        res.floor_s = self.roofline.floor_s(work)
+        res.roofline = res.floor_s / t
 
     def _free(self) -> None:
         if self.timer.device == "cuda":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.roofline import Roofline, Work
+from benchmarks.roofline import Roofline
 from benchmarks.suite import Result
 
 OPTIMIZED = ("triton", "deepgemm")
@@ -118,9 +118,9 @@ def _metric(t: Target, r: Result, results: dict[tuple[str, str, int, str], Resul
     raise ValueError(f"metric: unknown {t.metric!r}")
 
 
-def _limit(r: Result, roofline: Roofline) -> str:
+def _limit(r: Result) -> str:
     """What the roofline says about a measurement: how far from the floor, and which ceiling."""
-    floor = roofline.floor_s(Work(r.flops, r.bytes, r.math, r.weight_bytes))
+    floor = r.floor_s or 0.0
     compute_ceiling = "FP8 matmul rate" if r.math == "fp8" else "bf16 matmul rate"
     ceiling = compute_ceiling if r.bound == "compute" else "copy bandwidth"
     frac = floor / r.time_s if r.time_s else 0.0
@@ -149,5 +149,5 @@ def evaluate(results: list[Result], roofline: Roofline, targets: tuple[Target, .
             verdicts.append(Verdict(t, None, None, figure, ""))
             continue
         met = value >= t.threshold if t.at_least else value <= t.threshold
-        verdicts.append(Verdict(t, met, value, figure, "" if met else _limit(best, roofline)))
+        verdicts.append(Verdict(t, met, value, figure, "" if met else _limit(best)))
     return verdicts

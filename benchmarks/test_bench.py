@@ -188,12 +188,14 @@ def test_roofline_floor_is_the_slower_of_compute_and_traffic() -> None:
     assert ROOF.floor_s(Work(4e15, 4e9, "bf16")) == pytest.approx(4.0)
     assert ROOF.floor_s(Work(0.0, 8e12, "none")) == pytest.approx(2.0)
     assert ROOF.bound(Work(1.0, 8e12, "fp8")) == "memory"
-    assert (Work(1, 2, "bf16", 1) + Work(3, 4, "fp8", 2)) == Work(4, 6, "fp8", 3)
+    mixed = Work(2e15, 2, "bf16", 1) + Work(2e15, 4, "fp8", 2)  # each piece at its own ceiling: 2 s + 1 s
+    assert (mixed.flops, mixed.bytes, mixed.weight_bytes) == (4e15, 6, 3)
+    assert ROOF.floor_s(mixed) == pytest.approx(3.0)
 
 
 def _result(op: str, cand: str, t: float, **kw) -> Result:
     r = Result("fam", op, "FLASH", 4096, "", cand, BACKEND, "ok", time_s=t, flops=kw.pop("flops", 0.0),
-               bytes=kw.pop("bytes", 0.0), math="fp8", bound="compute")
+               bytes=kw.pop("bytes", 0.0), math="fp8", bound="compute", floor_s=kw.pop("floor_s", 1e-3))
     for k, v in kw.items():
         setattr(r, k, v)
     return r
@@ -230,6 +232,9 @@ def test_timer_calls_warm_up_then_timed_runs() -> None:
     calls.clear()
     timing = Timer("cpu").time(lambda: calls.append(1), slow_s=-1.0)  # every call is "slow": the warm-up is the figure
     assert timing.cold and timing.runs == 1 and len(calls) == 1
+    calls.clear()
+    timing = Timer("cpu", single_call=True).time(lambda: calls.append(1))
+    assert timing.runs == 1 and len(calls) == 1
 
 
 # ------------------------------------------------------------------------------------------------
