@@ -75,6 +75,7 @@ class MoESpec:
         numerics: preset name: "official" or "megamoe" (the simulated tier's numerics).
         pattern: one of `PATTERNS`.
         device: "cpu" or "cuda".
+        module: (moe only) also run `optimized.MoE` and require it to equal `optimized.moe` bitwise.
     """
 
     op: str
@@ -86,6 +87,7 @@ class MoESpec:
     numerics: str = "official"
     pattern: str = "routed"
     device: str = "cpu"
+    module: bool = False
 
     def __post_init__(self) -> None:
         if self.pattern not in PATTERNS:
@@ -98,6 +100,8 @@ class MoESpec:
             parts += [self.expert_format, self.numerics]
         if self.pattern != "routed":
             parts.append(self.pattern)
+        if self.module:
+            parts.append("module")
         return ",".join(parts)
 
     @property
@@ -139,7 +143,7 @@ def _tiny_specs(device: str) -> list[MoESpec]:
         s(op="moe", tokens=0, hash_layer=False),
         s(op="moe", tokens=1, hash_layer=True, fmt="e4m3fnuz", expert_format="fp4", numerics="megamoe"),
         s(op="moe", tokens=7, hash_layer=True, pattern="nan"),
-        s(op="moe", tokens=33, hash_layer=False, expert_format="fp4"),
+        s(op="moe", tokens=33, hash_layer=False, expert_format="fp4", module=True),
         s(op="moe", tokens=33, hash_layer=True, fmt="e4m3fnuz", numerics="megamoe"),
     ]
     return routes + experts_ + layers
@@ -157,7 +161,8 @@ def _gpu_specs(config: str, device: str) -> list[MoESpec]:
     for op in ("experts", "moe"):
         for h in (False, True):
             for ef in ("fp8", "fp4"):
-                specs += [s(op=op, tokens=t, hash_layer=h, expert_format=ef) for t in GPU_TOKENS]
+                specs += [s(op=op, tokens=t, hash_layer=h, expert_format=ef, module=op == "moe" and t == 64)
+                          for t in GPU_TOKENS]
                 if not h:
                     specs += [s(op=op, tokens=t, hash_layer=h, expert_format=ef, numerics="megamoe")
                               for t in (64, 4096)]
@@ -491,7 +496,12 @@ def _run_moe(spec: MoESpec, backend: str) -> list[Check]:
                                                            numerics=_numerics(spec), backend=backend))
     sets = Check("expert sets (candidate router)", ROUTE_SETS, int(agree.unexplained.sum()),
                  f"{int(agree.near_tie.sum())} near-tie tokens left out of the output comparison")
-    return [sets, *output_checks(cand, inp["ref"], inp["ref_exact"], rows=~agree.near_tie)]
+    checks = [sets, *output_checks(cand, inp["ref"], inp["ref_exact"], rows=~agree.near_tie)]
+    if spec.module:
+        layer = optimized.MoE(w, cfg, _numerics(spec), backend=backend)
+        same = torch.equal(layer(x, inp["token_ids"]), cand)
+        checks.append(Check("MoE module equals moe()", BITWISE, 0 if same else 1, "same inputs, same backend"))
+    return checks
 
 
 _RUNNERS: dict[str, Callable[[MoESpec, str], list[Check]]] = {
