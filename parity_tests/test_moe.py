@@ -13,8 +13,11 @@ import pytest
 import torch
 
 from optimized.backends import backend_status
-from parity_tests.cases import Case, NotRun
+from parity_tests.cases import Case, NotRun, generator
 from parity_tests.ops.moe import GPU_CONFIGS, experts_cases, moe_cases, route_cases
+from reference.config import TINY
+from reference.moe import random_moe_weights
+from reference.numerics import OFFICIAL
 
 
 def _cases(config: str, device: str) -> list[Case]:
@@ -47,3 +50,21 @@ _GPU = [(case, backend) for config in GPU_CONFIGS for case in _cases(config, "cu
 @pytest.mark.parametrize(("case", "backend"), _GPU, ids=[f"{case.id}-{backend}" for case, backend in _GPU])
 def test_backends_match_the_reference_at_flash_and_pro_shapes(case: Case, backend: str) -> None:
     _run(case, backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_hash_routing_rejects_token_ids_outside_the_vocabulary(backend: str) -> None:
+    import optimized
+
+    ok, why = backend_status(backend)
+    if not ok:
+        pytest.skip(f"backend {backend!r} unavailable: {why}")
+    weights = random_moe_weights(TINY, 0, generator=generator(0))
+    x = torch.randn(4, TINY.dim, generator=generator(1)).to(torch.bfloat16)
+    for bad in (TINY.vocab_size, -1):
+        token_ids = torch.tensor([3, bad, 5, 7])
+        with pytest.raises(ValueError, match="token_ids"):
+            optimized.route(x, weights.gate, None, token_ids=token_ids, tid2eid=weights.tid2eid, cfg=TINY,
+                            backend=backend)
+        with pytest.raises(ValueError, match="token_ids"):
+            optimized.moe(x, weights, token_ids=token_ids, cfg=TINY, numerics=OFFICIAL, backend=backend)

@@ -128,8 +128,9 @@ def _check_shape(name: str, got: tuple[int, ...] | torch.Size, expect: tuple[int
         raise ValueError(f"{name}: expected shape {expect}, got {tuple(got)}")
 
 
-# Statistics of the random weights. Real router logits of a unit-RMS input spread over a few units;
-# std 2 makes the top-6 of 256 sit near l ~ 5 while the tail reaches l ~ -6 (sqrt(softplus) ~ 0.05).
+# Statistics of the random weights. Router logits of a unit-RMS input spread over a few units: with std 2
+# the selected experts' logits mostly lie between 2.5 and 6 (scores 1.6..2.5) and the tail reaches
+# l ~ -6 (score ~0.05), so the renormalized weights are uneven but none dominates.
 GATE_LOGIT_STD = 2.0
 # Flash's correction biases are all near 8.08 (vLLM notes it); the spread around it reorders experts
 # whose scores are within ~0.1, like load-balancing biases do.
