@@ -176,10 +176,13 @@ def _random_weight(n: int, k: int, std: float, expert_format: str, fmt: str | FP
     return Fp4Weight(pack_fp4(codes).to(device), s.to(device))
 
 
-def _stack(weights: list[ExpertWeight]) -> ExpertWeight:
-    if isinstance(weights[0], Fp8Weight):
-        return Fp8Weight(torch.stack([w.data for w in weights]), torch.stack([w.scale for w in weights]))
-    return Fp4Weight(torch.stack([w.packed for w in weights]), torch.stack([w.scale for w in weights]))
+def _parts(weight: ExpertWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    return (weight.data, weight.scale) if isinstance(weight, Fp8Weight) else (weight.packed, weight.scale)
+
+
+def _empty_stack(like: ExpertWeight, n_experts: int) -> ExpertWeight:
+    """Uninitialized [E, N, K] storage of `like`'s format, filled expert by expert (one copy in memory)."""
+    return type(like)(*(torch.empty((n_experts, *t.shape), dtype=t.dtype, device=t.device) for t in _parts(like)))
 
 
 def random_moe_weights(
@@ -197,14 +200,20 @@ def random_moe_weights(
     if expert_format not in ("fp8", "fp4"):
         raise ValueError(f"expert_format: expected 'fp8' or 'fp4', got {expert_format!r}")
     gate, bias, tid2eid = random_router_weights(cfg, layer_id, generator=generator, device=device)
-    dim, inter = cfg.dim, cfg.moe_inter_dim
-    w13, w2 = [], []
-    for _ in range(cfg.n_routed_experts):
-        w13.append(_random_weight(2 * inter, dim, GATE_UP_STD * dim**-0.5, expert_format, fmt, generator, device))
-        w2.append(_random_weight(dim, inter, inter**-0.5, expert_format, fmt, generator, device))
+    dim, inter, n_experts = cfg.dim, cfg.moe_inter_dim, cfg.n_routed_experts
+    w13: ExpertWeight | None = None
+    w2: ExpertWeight | None = None
+    for e in range(n_experts):
+        w13_e = _random_weight(2 * inter, dim, GATE_UP_STD * dim**-0.5, expert_format, fmt, generator, device)
+        w2_e = _random_weight(dim, inter, inter**-0.5, expert_format, fmt, generator, device)
+        if w13 is None or w2 is None:
+            w13, w2 = _empty_stack(w13_e, n_experts), _empty_stack(w2_e, n_experts)
+        for stacked, one in ((w13, w13_e), (w2, w2_e)):
+            for dst, src in zip(_parts(stacked), _parts(one)):
+                dst[e] = src
     shared_w13 = _random_weight(2 * inter, dim, GATE_UP_STD * dim**-0.5, "fp8", fmt, generator, device)
     shared_w2 = _random_weight(dim, inter, inter**-0.5, "fp8", fmt, generator, device)
-    return MoEWeights(gate, bias, tid2eid, _stack(w13), _stack(w2), shared_w13, shared_w2)  # type: ignore[arg-type]
+    return MoEWeights(gate, bias, tid2eid, w13, w2, shared_w13, shared_w2)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------------

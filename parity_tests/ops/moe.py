@@ -211,11 +211,20 @@ def _layer_id(cfg: DSv4Config, hash_layer: bool) -> int:
     return 0 if hash_layer else cfg.n_hash_layers  # layer 0 routes by token id; n_hash_layers is the first top-k
 
 
-@functools.lru_cache(maxsize=1)
+_WEIGHTS: dict[tuple[str, bool, str, str, str], MoEWeights] = {}
+
+
 def _layer_weights(config: str, hash_layer: bool, expert_format: str, fmt: str, device: str) -> MoEWeights:
-    cfg = get_config(config)
-    return random_moe_weights(cfg, _layer_id(cfg, hash_layer), expert_format=expert_format, fmt=fmt,
-                              generator=_generator(WEIGHT_SEED, device), device=device)
+    """One layer's weights, kept while consecutive cases use them. The previous set (and everything cached
+    from it) is released before the next is built: PRO's experts alone are 25 GB in FP8."""
+    key = (config, hash_layer, expert_format, fmt, device)
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()
+        _expert_inputs.cache_clear()
+        cfg = get_config(config)
+        _WEIGHTS[key] = random_moe_weights(cfg, _layer_id(cfg, hash_layer), expert_format=expert_format, fmt=fmt,
+                                           generator=_generator(WEIGHT_SEED, device), device=device)
+    return _WEIGHTS[key]
 
 
 @functools.lru_cache(maxsize=1)
