@@ -132,12 +132,10 @@ def _tiny_specs(device: str) -> list[MoESpec]:
     experts_ = [
         s(op="experts", tokens=0, hash_layer=False),
         s(op="experts", tokens=1, hash_layer=True, fmt="e4m3fnuz", expert_format="fp4", numerics="megamoe"),
-        s(op="experts", tokens=7, hash_layer=False, expert_format="fp4"),
         s(op="experts", tokens=7, hash_layer=True, fmt="e4m3fnuz", pattern="nan"),
         s(op="experts", tokens=33, hash_layer=True, numerics="megamoe"),
         s(op="experts", tokens=33, hash_layer=False, fmt="e4m3fnuz", expert_format="fp4"),
         s(op="experts", tokens=33, hash_layer=False, expert_format="fp4", numerics="megamoe", pattern="hot"),
-        s(op="experts", tokens=33, hash_layer=False, fmt="e4m3fnuz", numerics="megamoe"),
     ]
     layers = [
         s(op="moe", tokens=0, hash_layer=False),
