@@ -161,13 +161,15 @@ MOE_SIMULATED = Bound(
 # Three E4M3 roundings sit in series: x before w1 and w3, and the SwiGLU output before w2. One rounding of
 # Gaussian-like data costs calc_diff 3.5e-4 (relative error variance 2^-8 / 3 * E[1/m^2] = 7.0e-4 for
 # mantissas m log-uniform in [1, 2), halved by calc_diff; measured 3.53e-4), and the x rounding reaches the
-# output through both g and u of silu(g) * u: expected ~3 x 3.5e-4 = 1.05e-3; measured 1.03e-3..1.10e-3
-# (TINY and D 1024, FP8 and FP4 experts, official and MegaMoE numerics). DeepGEMM's 1e-3 for one FP8 GEMM
-# covers two roundings in parallel, not three in series, so the MoE chain needs 2x its bound. A wrong
-# expert, scale or clamp costs > 1e-2.
+# output through both g and u of silu(g) * u: expected ~3 x 3.5e-4 = 1.05e-3; measured mean 1.10e-3 (TINY
+# T = 33 and D 1024 T = 128, FP8 and FP4 experts, official and MegaMoE numerics: 1.03e-3..1.18e-3).
+# DeepGEMM's 1e-3 for one FP8 GEMM covers two roundings in parallel, not three in series. calc_diff over few
+# elements fluctuates around that mean: a single TINY token (256 values) ranged 0.53e-3..1.97e-3 over 800
+# draws (99th percentile 1.74e-3); FLASH/PRO tokens have 16-28x the values, so 1/4..1/5 the spread. 2.5e-3
+# covers the single-token tail; a wrong expert, scale or clamp costs > 1e-2.
 MOE_END_TO_END = Bound(
-    "end_to_end", "calc_diff", 2e-3,
-    "three E4M3 roundings in series (3 x 3.5e-4, measured 1.03e-3..1.10e-3 for the reference itself)",
+    "end_to_end", "calc_diff", 2.5e-3,
+    "three E4M3 roundings in series (3 x 3.5e-4; mean 1.1e-3) plus the spread of a single 256-value token",
 )
 
 # `reference.moe.sqrt_softplus` below l = -20 is e^(l/2): torch's fp32 exp is faithful (< 1 ulp), l/2 is exact,
