@@ -192,3 +192,71 @@ ATTENTION_UNROUNDED_P = Bound(
     "simulated", "calc_diff", 1e-5,
     "bf16 P and bf16 output vs an fp32 softmax: measured 2.2e-6; a missing or scaled sink costs > 8e-3",
 )
+
+
+# ------------------------------------------------------------------------------------------------
+# Sharded parity (reference/sharding.py, parity_tests/distributed.py, parity_tests/test_sharding.py)
+# ------------------------------------------------------------------------------------------------
+
+# Attention under tensor parallelism: each rank's `wo_b` output is rounded to bf16 before the fp32 all-reduce
+# (official `RowParallelLinear`), so the sharded output carries W partial roundings plus the final one, the
+# unsharded output one rounding. A bf16 rounding of Gaussian-like data has mean-square relative error
+# rho = 2^-14 / 12 * E[1/m^2] = 2.5e-6 (mantissa m log-uniform in [1, 2)), and calc_diff ~ |d|^2 / (2 |y|^2).
+# The partials of a row-parallel product over disjoint input columns with independent weights are
+# uncorrelated, so sum_r |p_r|^2 ~ |y|^2 whatever W is, and E|d|^2 ~ rho (|y|^2 [the W partials] + |y|^2 [the
+# sharded final rounding] + |y|^2 [the unsharded one]): calc_diff ~ 3 rho / 2 = 3.8e-6, independent of W and
+# D. Measured (TINY, SWA/CSA/HCA layers, official and vLLM numerics, W = 2 and 4): 3.3e-6..4.4e-6. The same
+# model covers an MoE whose per-rank outputs are bf16 (the optimized `experts`, like MegaMoE and DeepEP,
+# returns bf16): measured 0.6e-6..2.6e-6. 2.3x headroom over the largest measurement. A missing or
+# duplicated rank costs ~1 / (2W) (> 6e-2 at W = 8); heads paired with another rank's groups cost ~1.
+SHARDED_BF16_PARTIALS = Bound(
+    "simulated", "calc_diff", 1e-5,
+    "W bf16-rounded partials + 1 final rounding vs 1 rounding: 3 rho / 2 = 3.8e-6 (measured <= 4.4e-6)",
+)
+
+# MoE under expert parallelism, official numerics: each rank's partial is the fp32 sum of its experts' bf16
+# outputs, the shared expert is added after the all-reduce, one bf16 rounding at the end; against the
+# unsharded layer only the fp32 association of the <= k + 1 terms of a token differs. Sums of a few bf16
+# values (8 significant bits) are exact in fp32 (24 bits) unless their magnitudes span more than ~2^15, so
+# the results are usually bitwise equal (measured: 0 differing elements of 16384 per case, TINY, hash and
+# top-k layers, FP8 and MXFP4 experts, W = 2..16). Where a sum is inexact it moves by <= k 2^-24 of the terms'
+# magnitude and flips the final bf16 rounding (one bf16 ulp, relative <= 2^-7) with probability
+# <= k 2^-24 / 2^-8 = 1e-4: calc_diff <= 1e-4 x 2^-14 / 2 = 3e-9. 30x headroom; bf16-rounded partials
+# (the numerics of SHARDED_BF16_PARTIALS, measured >= 6e-7) fail it, and so does any missing expert (~1e-2).
+SHARDED_FP32_PARTIALS = Bound(
+    "simulated", "calc_diff", 1e-7,
+    "fp32 reassociation of <= k+1 bf16 terms: rare one-ulp flips, <= 3e-9; bf16 partials cost >= 6e-7",
+)
+
+
+def sharded_bound(op_bound: Bound, reduction: Bound) -> Bound:
+    """The bound of a sharded backend's reduced output against the unsharded reference: the backend's own
+    bound for its op (its kernels against the reference, per shard) plus the reduction's. Both are calc_diff
+    ~ |d|^2 / (2 |y|^2), and the kernel's error and the reduction's roundings are independent, so their
+    squared norms (hence their calc_diffs) add."""
+    for b in (op_bound, reduction):
+        if b.metric != "calc_diff":
+            raise ValueError(f"sharded_bound: both bounds must be on calc_diff, got {b.metric!r}")
+    return Bound(op_bound.tier, "calc_diff", op_bound.value + reduction.value,
+                 f"{op_bound.reason} + sharded reduction ({reduction.reason})")
+
+
+# ------------------------------------------------------------------------------------------------
+# Output projection (spec §3.6, §4; parity_tests/ops/einsum.py). fp8_einsum and fp8_linear use
+# FP8_GEMM_SIMULATED and FP8_END_TO_END above: one FP8 GEMM each, on the same quantized inputs resp. with
+# two E4M3 roundings in parallel (DeepGEMM's own bounds).
+# ------------------------------------------------------------------------------------------------
+
+# o -> quantize -> FP8 einsum -> bf16 z -> quantize -> wo_b against the reference with the same numerics.
+# Summation-order noise in z (the H200's FP8 accumulator: ~2^-14 relative per 128-K block, spec §7.1
+# pitfall 8) flips some bf16 roundings of z, and about 1 in 16 of those flips the E4M3 rounding of z in
+# front of wo_b — one FP8 step, 1/16..1/8 of the value — so the output differs on rare elements by far more
+# than a bf16 ulp: calc_diff, not bitwise. Modelled by 2^-14 relative Gaussian noise on z (TINY T 33 / 256,
+# FLASH T 64, both formats): 2.2e-6..6.0e-6, plus the wo_b output rounding (1.4e-6, FP8_GEMM_SIMULATED):
+# <= 7.5e-6; 2.7x headroom. Real mistakes cost (measured, same shapes): inverse RoPE rounded to bf16
+# before the quantization (the official path) 1.4e-4..1.7e-4, z kept fp32 into the wo_b quantization
+# 1.3e-4..1.6e-4, forward instead of inverse RoPE 0.12.
+OUTPUT_PROJECTION_SIMULATED = Bound(
+    "simulated", "calc_diff", 2e-5,
+    "FP8 requantization of z after accumulator noise: model <= 7.5e-6; bf16-rounded inverse RoPE costs 1.4e-4",
+)
