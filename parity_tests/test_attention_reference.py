@@ -39,7 +39,7 @@ from reference.compressor import (
     pool,
     random_compressor_weights,
 )
-from reference.config import TINY
+from reference.config import FLASH, TINY
 from reference.einsum import output_projection
 from reference.formats import fp8_format, quant_dequant_fp8, ue8m0_to_fp32
 from reference.hadamard import hadamard_rotate, sylvester_hadamard
@@ -193,6 +193,29 @@ def test_prefill_attends_to_the_per_position_candidate_set(batch: Batch) -> None
     expect = sparse_attention(q, pool, direct, w.attn_sink, attn.softmax_scale)
     assert torch.equal(sparse_attention(q, kv_pool, indices, w.attn_sink, attn.softmax_scale), expect)
     assert torch.equal(attn.attend(x, positions, _cu([n])), expect)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: FLASH shapes")
+@pytest.mark.parametrize("layer", [0, 2, 3], ids=["swa", "csa", "hca"])  # FLASH's layer kinds
+def test_decode_equals_prefill_at_flash_shapes_on_gpu(layer: int) -> None:
+    """The reference at real shapes on the GPU: two sequences (2100 > 4 x index_topk, so the CSA
+    selection is a real top-k of 512, and 300), prompts then two decode steps, bitwise."""
+    cfg, device, g = FLASH, torch.device("cuda"), generator(layer)
+    attn = Attention(cfg, layer, random_attention_weights(cfg, layer, generator=g, device=device))
+    lengths, steps = (2100, 300), 2
+    x = torch.randn(sum(lengths), cfg.dim, generator=g).to(BF16).to(device)
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+    full = attn.attend(x, positions, _cu(lengths).to(device))
+    assert full.isfinite().all()
+    offsets = _cu(lengths).tolist()
+    cache = AttentionCache.empty(cfg, layer, len(lengths), device)
+    for s in range(steps + 1):
+        # step 0: the prompts (all but the last `steps` tokens); then one token per sequence
+        ranges = [(0, n - steps) if s == 0 else (n - steps + s - 1, n - steps + s) for n in lengths]
+        rows = torch.cat([torch.arange(offsets[b] + a, offsets[b] + e) for b, (a, e) in enumerate(ranges)]).to(device)
+        cu = _cu([e - a for a, e in ranges]).to(device)
+        o = attn.attend(x[rows], positions[rows], cu, cache)
+        assert torch.equal(o, full[rows]), f"call {s}"
 
 
 @pytest.mark.parametrize("numerics", [VLLM_NVIDIA, EXACT], ids=lambda n: n.name)

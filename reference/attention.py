@@ -47,8 +47,7 @@ from reference.indexer import (
     indexer_topk,
     random_indexer_weights,
 )
-from reference.invariant import einsum_fp32, fp8_linear, sum_fp32
-from reference.linear import rms_norm
+from reference.invariant import einsum_fp32, fp8_linear, rms_norm, sum_fp32
 from reference.numerics import OFFICIAL, Numerics
 from reference.rope import apply_rope, yarn_frequencies
 from reference.weights import Fp8Weight, random_fp8_weight
@@ -281,15 +280,14 @@ def candidate_indices(
                              f"windows of the sequence's tokens")
         window_cols.append(torch.where(window_pos >= 0, base + window_pos - first, -1))
         sel = selection[start:end].long()
-        if sel.numel() and int(sel.max()) >= entries.shape[0]:
-            raise ValueError(f"selection: sequence {b} selects entry {int(sel.max())} of {entries.shape[0]}")
+        if sel.numel() and (int(sel.min()) < -1 or int(sel.max()) >= entries.shape[0]):
+            raise ValueError(f"selection: sequence {b} has {entries.shape[0]} entries, selects "
+                             f"{int(sel.min())}..{int(sel.max())} (-1 = none)")
         compressed_cols.append(torch.where(sel >= 0, base + rows.shape[0] + sel, -1))
         pool += [rows, entries]
         base += rows.shape[0] + entries.shape[0]
-    kv = torch.cat(pool) if pool else torch.zeros(0, 512, dtype=torch.bfloat16, device=positions.device)
-    indices = torch.cat((torch.cat(window_cols), torch.cat(compressed_cols)), dim=1) if window_cols else \
-        torch.zeros(0, window_size + selection.shape[1], dtype=torch.int32, device=positions.device)
-    return kv, indices.to(torch.int32)
+    indices = torch.cat((torch.cat(window_cols), torch.cat(compressed_cols)), dim=1)
+    return torch.cat(pool), indices.to(torch.int32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -337,8 +335,8 @@ def sparse_attention(
         M   = max_i z_i
         o_h = sum_i bf16(e^{z_i - M}) k_i / (sum_i e^{z_i - M} + e^{sink_h - M})
     The probabilities are rounded to bf16 before the P V product, as the official TileLang kernel does
-    (it rounds them relative to its running maximum; with one block of candidates that is M); the
-    denominator uses the fp32 values; the sink is not scaled. Slots `-1` are ignored; a row may appear
+    (it rounds them relative to its running maximum, which equals M from the block holding the maximum
+    on); the denominator uses the fp32 values; the sink is not scaled. Slots `-1` are ignored; a row may appear
     at most once per token (duplicates would count twice; they raise). Tokens without any slot give 0.
 
     Args:
@@ -352,23 +350,26 @@ def sparse_attention(
         [T, H, 512] bf16.
     """
     _check_sparse_attention_args(q, kv, indices, sink, scale)
+    # an empty slot reads an all-zero row appended to kv, so nothing (not even a NaN) leaks into it
+    kv_or_zero = torch.cat((kv, kv.new_zeros(1, kv.shape[1])))
     out = torch.empty_like(q)
     for start in range(0, q.shape[0], ATTENTION_TOKEN_CHUNK):
         chunk = slice(start, start + ATTENTION_TOKEN_CHUNK)
-        out[chunk] = _attend(q[chunk], kv, indices[chunk], sink, scale)
+        out[chunk] = _attend(q[chunk], kv_or_zero, indices[chunk], sink, scale)
     return out
 
 
-def _attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, kv_or_zero: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`sparse_attention` for a few tokens; `kv_or_zero` is kv with a zero row appended."""
     valid = indices >= 0  # [t, K]
-    # gather each slot's row (an empty slot reads a zero row, so nothing from kv can leak into it)
-    kv_or_zero = torch.cat((kv, kv.new_zeros(1, kv.shape[1])))
-    rows = kv_or_zero[torch.where(valid, indices, kv.shape[0]).long()].double()  # [t, K, d]; exact
-    logits = einsum_fp32("thd,tkd->thk", q, rows) * scale
+    rows = kv_or_zero[torch.where(valid, indices, kv_or_zero.shape[0] - 1).long()].double()  # [t, K, d]
+    logits = einsum_fp32("thd,tkd->thk", q, rows) * scale  # z_i, fp32
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    row_max = logits.amax(dim=-1)  # [t, H]; -inf for a token without slots
+    row_max = logits.amax(dim=-1)  # M, [t, H]; -inf for a token without slots (its output is 0 below)
     row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
-    weight = torch.exp(logits - row_max[..., None])
+    weight = torch.exp(logits - row_max[..., None])  # e^{z_i - M}, 0 on empty slots
     denominator = sum_fp32(weight, dim=-1) + torch.exp(sink[None, :] - row_max)
     o = einsum_fp32("thk,tkd->thd", weight.to(torch.bfloat16), rows) / denominator[..., None]
     has_slots = valid.any(dim=-1)[:, None, None]

@@ -12,9 +12,9 @@ fp32 rounding of the exact sum whatever the order (except for sums that land wit
 rounding boundary, which random data does not hit). Against the kernels this is the same function:
 they differ from it only by their own fp32 summation order (spec §2.5, §7.1 pitfall 8).
 
-`fp8_linear` is `reference.linear.fp8_linear` (spec §2.5: `act_quant` then the block-FP8 product)
-with this accumulation; the attention projections use it so that a token's projection is the same
-in every batch.
+`fp8_linear` and `rms_norm` are `reference.linear.fp8_linear` and `reference.linear.rms_norm` (spec
+§2.5, §2.7) with this accumulation (torch's fp32 row mean is ordered by the row count on CUDA); the
+attention reference uses them so that a token's projections are the same in every batch.
 """
 
 from __future__ import annotations
@@ -63,3 +63,21 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, numerics: Numerics) -> torch.
         [..., N] bf16.
     """
     return linear_fp32(act_quant_dequant(x, numerics), weight.dequantize()).to(torch.bfloat16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`w * x * rsqrt(mean(x^2) + eps)` in fp32 (mean accumulated in fp64), cast back to x's dtype
+    (spec §2.7). `weight=None` = no weight.
+
+    Args:
+        x: [..., n] bf16 or fp32.
+        weight: [n] or None.
+
+    Returns:
+        [..., n] in x's dtype.
+    """
+    xf = x.float()
+    y = xf * torch.rsqrt(sum_fp32(xf.square(), dim=-1, keepdim=True) / x.shape[-1] + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
