@@ -307,14 +307,16 @@ def test_sparse_attention_does_not_read_rows_it_did_not_select() -> None:
     assert torch.equal(sparse_attention(q, poisoned, indices, sink, 512**-0.5), o)
 
 
-def test_sparse_attention_sink_only_lowers_the_weights() -> None:
-    # one key: o = bf16(1) * k / (1 + e^{sink - z}); with sink -inf, o = k
-    q, kv, _ = _attention_inputs(1, 2, 1, seed=5)
-    idx = torch.zeros(1, 1, dtype=torch.int32)
-    assert torch.equal(sparse_attention(q, kv, idx, torch.full((2,), float("-inf")), 0.1)[0, 0], kv[0])
-    z = float((q[0, 0].float() @ kv[0].float()) * 0.1)
-    o = sparse_attention(q, kv, idx, torch.tensor([z, z]), 0.1)
-    assert torch.allclose(o[0, 0].float(), kv[0].float() / 2, rtol=2**-8, atol=0)
+def test_sparse_attention_sink_is_one_more_unscaled_logit_in_the_denominator() -> None:
+    # One key with small-integer q and k, so z = scale * q.k is exact: o = bf16(1) k / (1 + e^{sink - z}).
+    g = generator(5)
+    q = torch.randint(-2, 3, (1, 2, 512), generator=g).to(BF16)
+    kv = torch.randint(-2, 3, (1, 512), generator=g).to(BF16)
+    idx, scale = torch.zeros(1, 1, dtype=torch.int32), 0.125
+    z = float((q[0, 0].double() @ kv[0].double()) * scale)
+    assert torch.equal(sparse_attention(q, kv, idx, torch.full((2,), float("-inf")), scale)[0], kv.expand(2, 512))
+    half = sparse_attention(q, kv, idx, torch.tensor([z, z]), scale)[0, 0]  # the sink as large as the logit
+    assert torch.equal(half, (kv[0].float() / 2).to(BF16))
 
 
 # ------------------------------------------------------------------------------------------------
