@@ -47,7 +47,8 @@ from reference.indexer import (
     indexer_topk,
     random_indexer_weights,
 )
-from reference.invariant import einsum_fp32, fp8_linear, rms_norm, sum_fp32
+from reference.invariant import einsum_fp32, sum_fp32
+from reference.linear import fp8_linear, rms_norm
 from reference.numerics import OFFICIAL, Numerics
 from reference.rope import apply_rope, yarn_frequencies
 from reference.weights import Fp8Weight, random_fp8_weight

@@ -35,7 +35,8 @@ from einops import rearrange
 
 from reference.formats import quant_dequant_fp4, quant_dequant_fp8
 from reference.hadamard import hadamard_rotate
-from reference.invariant import linear_fp32, rms_norm, sum_fp32
+from reference.invariant import linear_fp32, sum_fp32
+from reference.linear import rms_norm
 from reference.numerics import Numerics
 from reference.rope import apply_rope
 

@@ -21,7 +21,8 @@ from reference.compressor import FP4_QUANT_BLOCK, CompressorWeights, random_comp
 from reference.config import DSv4Config
 from reference.formats import E4M3FN, FP8Format, quant_dequant_fp4
 from reference.hadamard import hadamard_rotate
-from reference.invariant import einsum_fp32, fp8_linear, linear_fp32, sum_fp32
+from reference.invariant import einsum_fp32, linear_fp32, sum_fp32
+from reference.linear import fp8_linear
 from reference.numerics import Numerics
 from reference.rope import apply_rope
 from reference.weights import Fp8Weight, random_fp8_weight

@@ -12,18 +12,14 @@ fp32 rounding of the exact sum whatever the order (except for sums that land wit
 rounding boundary, which random data does not hit). Against the kernels this is the same function:
 they differ from it only by their own fp32 summation order (spec §2.5, §7.1 pitfall 8).
 
-`fp8_linear` and `rms_norm` are `reference.linear.fp8_linear` and `reference.linear.rms_norm` (spec
-§2.5, §2.7) with this accumulation (torch's fp32 row mean is ordered by the row count on CUDA); the
-attention reference uses them so that a token's projections are the same in every batch.
+`reference.linear` (the FP8 / FP4 linears and RMSNorm, spec §2.5-§2.7) accumulates through these
+helpers too (torch's fp32 row mean is ordered by the row count on CUDA), so a token's projections are
+the same in every batch in every block of the reference.
 """
 
 from __future__ import annotations
 
 import torch
-
-from reference.linear import act_quant_dequant
-from reference.numerics import Numerics
-from reference.weights import Fp8Weight
 
 
 def einsum_fp32(expr: str, *operands: torch.Tensor) -> torch.Tensor:
@@ -49,35 +45,3 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x: last dim {x.shape[-1]} does not match the weight's K {weight.shape[-1]}")
     return einsum_fp32("...k,nk->...n", x, weight)
-
-
-def fp8_linear(x: torch.Tensor, weight: Fp8Weight, numerics: Numerics) -> torch.Tensor:
-    """Block-FP8 linear (official `fp8_gemm`, spec §2.5): x quantized per token per `act_block`
-    channels, times the dequantized FP8 weight, fp32 accumulation, bf16 output.
-
-    Args:
-        x: [..., K] bf16.
-        weight: `Fp8Weight` [N, K].
-
-    Returns:
-        [..., N] bf16.
-    """
-    return linear_fp32(act_quant_dequant(x, numerics), weight.dequantize()).to(torch.bfloat16)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`w * x * rsqrt(mean(x^2) + eps)` in fp32 (mean accumulated in fp64), cast back to x's dtype
-    (spec §2.7). `weight=None` = no weight.
-
-    Args:
-        x: [..., n] bf16 or fp32.
-        weight: [n] or None.
-
-    Returns:
-        [..., n] in x's dtype.
-    """
-    xf = x.float()
-    y = xf * torch.rsqrt(sum_fp32(xf.square(), dim=-1, keepdim=True) / x.shape[-1] + eps)
-    if weight is not None:
-        y = y * weight.float()
-    return y.to(x.dtype)
