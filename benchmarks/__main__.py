@@ -19,8 +19,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.suite import SMOKE_TOKENS
-
 DEFAULT_CONFIGS = ("FLASH", "PRO")
 # Wall-clock budget of a GPU run: the whole suite must finish inside one 10-minute command, report included.
 GPU_BUDGET_S = 450.0
@@ -74,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsv4-bench: {exc}", file=sys.stderr)
         return 2
     if smoke:
-        tokens = tokens or SMOKE_TOKENS
         print("[bench] CPU smoke run: TINY shapes, Triton in the interpreter; no figure is a measurement")
 
     device = "cpu" if smoke else "cuda"

@@ -11,6 +11,15 @@ Work (spec §3):
   * sparse attention: 4*H*512 FLOP per valid (token, slot) (Q K^T and P V; bf16 tensor cores); bytes = q + out
     + indices + every KV row some token needs, once (1024 bytes as bf16, 584 in the FP8 cache): for decode,
     exactly "the cache rows it needs".
+  * indexer_scores: 2*Hi*128 FLOP per (token, key) of the [T, N] score matrix the op returns (decode: N = the
+    8192 keys of a 32768-token context, prefill: N = T/4); bytes = q + keys + head weights + scores (fp32).
+  * indexer_topk: no matmul; bytes = scores + n_visible + the selection.
+  * compress (the main ratio-4 compressor, prefill form over T tokens): the two projections, 2*T*D*(2*2*512)
+    FLOP (bf16 GEMM, fp32 out); bytes = x + Wkv + Wgate (bf16) + ape + the T/4 entries.
+  * attention (the layer): the sum over its pieces for the token positions of the point — FP8 linears (wq_a,
+    wq_b, wkv, indexer wq_b, wo_a einsum, wo_b) on the FP8 ceiling; compressor and indexer projections, index
+    scores over each token's visible keys, and sparse attention over its window + top-k on the bf16 ceiling;
+    bytes = the weights + x + out + the KV rows and index keys the tokens read (cache rows at 584 bytes).
 """
 
 from __future__ import annotations
@@ -19,16 +28,28 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.baselines import check_close
+from benchmarks.baselines import check_close, deep_gemm
 from benchmarks.roofline import Work
-from benchmarks.suite import DECODE_TOKENS, Env, Family, OpBench, Point, backend_candidates, baseline
+from benchmarks.suite import (
+    DECODE_TOKENS,
+    SMOKE_DECODE_TOKENS,
+    Env,
+    Family,
+    OpBench,
+    Point,
+    backend_candidates,
+    baseline,
+)
 from reference.attention import AttentionWeights, candidate_indices
 from reference.attention import sparse_attention as reference_sparse_attention
 from reference.cache import KV_PACKED_BYTES, pack_kv, unpack_kv
 from reference.compressor import random_compressor_weights
+from reference.formats import quantize_per_token
 from reference.indexer import INDEXER_RATIO, IndexerWeights, indexer_topk
+from reference.indexer import indexer_scores as reference_indexer_scores
 from reference.numerics import VLLM_NVIDIA, Numerics
 from reference.rope import yarn_frequencies
+from reference.weights import Fp8Weight
 
 BF16, FP32, INT32 = 2, 4, 4
 # Context of every decode sequence (issue #4: decode batch 64 with 32768-token contexts); TINY smoke: 512.
@@ -226,13 +247,254 @@ def _checked_torch_sparse(c: Candidates, sink: torch.Tensor, scale: float, packe
     return _torch_sparse(c.q, c.kv, c.indices, sink, scale, packed)
 
 
+# ------------------------------------------------------------------------------------------------
+# Indexer and compressor
+# ------------------------------------------------------------------------------------------------
+
+
+def _index_inputs(env: Env, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """q_idx [T, Hi, 128] bf16, keys [N, 128] bf16, head weights [T, Hi] fp32 (decode: N = the keys of a
+    32768-token context; prefill: N = T / 4)."""
+    cfg = env.cfg
+    n = (decode_context(env) + 1) // INDEXER_RATIO if tokens in DECODE_TOKENS else max(tokens // INDEXER_RATIO, 1)
+    q = env.randn(tokens, cfg.index_n_heads, cfg.index_head_dim, salt=900 + tokens)
+    k = env.randn(n, cfg.index_head_dim, salt=901 + tokens)
+    w = env.randn(tokens, cfg.index_n_heads, salt=902 + tokens, dtype=torch.float32,
+                  std=(cfg.index_head_dim * cfg.index_n_heads) ** -0.5)
+    return q, k, w, f"T={tokens},N={n},Hi={cfg.index_n_heads}"
+
+
+def indexer_scores_point(ctx: AttentionContext, env: Env, tokens: int) -> Point:
+    import optimized
+
+    q, k, w, label = _index_inputs(env, tokens)
+
+    def call(backend: str):
+        return lambda: optimized.indexer_scores(q, k, w, ctx.numerics, backend=backend)
+
+    t, hi, d = q.shape
+    n = k.shape[0]
+    work = Work(2.0 * t * n * hi * d, (q.numel() + k.numel()) * BF16 + w.numel() * FP32 + t * n * FP32, "bf16")
+    cands = backend_candidates("indexer_scores", call)
+    cands.append(baseline("torch bf16 einsum + relu + weighted sum", lambda: _checked_torch_scores(q, k, w, ctx)))
+    cands.append(baseline("DeepGEMM fp8_fp4_mqa_logits (raw, pre-quantized q, k)", lambda: _deepgemm_logits(q, k, w)))
+    return Point("indexer_scores", env.cfg.name, tokens, label, work, cands,
+                 note="VLLM_NVIDIA numerics (fp32 scores); deepgemm = FP8 q and k")
+
+
+def indexer_topk_point(ctx: AttentionContext, env: Env, tokens: int) -> Point:
+    import optimized
+
+    del ctx
+    cfg = env.cfg
+    decode = tokens in DECODE_TOKENS
+    n = (decode_context(env) + 1) // INDEXER_RATIO if decode else max(tokens // INDEXER_RATIO, 1)
+    scores = env.randn(tokens, n, salt=903 + tokens, dtype=torch.float32)
+    if decode:
+        n_visible = torch.full((tokens,), n, dtype=torch.int32, device=env.device)
+    else:
+        n_visible = ((torch.arange(tokens, device=env.device) + 1) // INDEXER_RATIO).to(torch.int32)
+    topk = cfg.index_topk
+
+    def call(backend: str):
+        return lambda: optimized.indexer_topk(scores, n_visible, topk, backend=backend)
+
+    work = Work(0.0, scores.numel() * FP32 + tokens * (INT32 + topk * INT32), "none")
+    cands = backend_candidates("indexer_topk", call)
+    cands.append(baseline("torch masked topk", lambda: _torch_topk(scores, n_visible, topk)))
+    return Point("indexer_topk", cfg.name, tokens, f"T={tokens},N={n},topk={topk}", work, cands)
+
+
+def compress_point(ctx: AttentionContext, env: Env, tokens: int) -> Point:
+    import optimized
+
+    cfg = env.cfg
+    w = ctx.weights.compressor
+    assert w is not None
+    x = env.randn(tokens, cfg.dim, salt=904 + tokens)
+    positions = torch.arange(tokens, dtype=torch.int64, device=env.device)
+
+    def call(backend: str):
+        return lambda: optimized.compress(x, positions, w, ratio=w.ratio, head_dim=w.head_dim, freqs=ctx.freqs,
+                                          numerics=ctx.numerics, rotate="main", norm_eps=cfg.norm_eps,
+                                          backend=backend)
+
+    weights = (w.wkv.numel() + w.wgate.numel()) * BF16 + w.ape.numel() * FP32 + w.norm.numel() * BF16
+    entries = tokens // w.ratio * w.head_dim * BF16
+    work = Work(2.0 * tokens * cfg.dim * (w.wkv.shape[0] + w.wgate.shape[0]), x.numel() * BF16 + weights + entries,
+                "bf16", weights)
+    return Point("compress", cfg.name, tokens, f"T={tokens},ratio={w.ratio},D={cfg.dim}", work,
+                 backend_candidates("compress", call),
+                 note="main CSA compressor, prefill form; no baseline: the eager reference is the torch implementation")
+
+
+# ------------------------------------------------------------------------------------------------
+# The layer
+# ------------------------------------------------------------------------------------------------
+
+
+def attention_point(ctx: AttentionContext, env: Env, tokens: int) -> Point:
+    """Prefill: one fresh prompt of `tokens` tokens. Decode: `tokens` sequences, one new token each, continuing
+    caches filled (with random rows, entries, keys and compressor states) up to `decode_context` positions."""
+    import optimized
+
+    cfg = env.cfg
+    decode = tokens in DECODE_TOKENS
+    x = env.randn(tokens, cfg.dim, salt=905 + tokens)
+    if decode:
+        cu_seqlens = torch.arange(tokens + 1, dtype=torch.int32, device=env.device)
+        label = f"batch={tokens},context={decode_context(env)}"
+    else:
+        cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32, device=env.device)
+        label = f"T={tokens} (prefill)"
+
+    def call(backend: str):
+        layer = optimized.Attention(cfg, ctx.layer_id, ctx.weights, ctx.numerics, backend=backend)
+        if not decode:
+            positions = torch.arange(tokens, dtype=torch.int64, device=env.device)
+            return lambda: layer(x, positions, cu_seqlens)
+        cache = _filled_cache(ctx, env, tokens, reference=backend == "reference")
+        seq0 = cache.sequences[0]
+
+        def step() -> torch.Tensor:  # each call is the next decode step of every sequence
+            positions = torch.full((tokens,), seq0.next_position, dtype=torch.int64, device=env.device)
+            return layer(x, positions, cu_seqlens, cache)
+
+        return step
+
+    return Point("attention", cfg.name, tokens, label, layer_work(ctx, env, tokens, decode),
+                 backend_candidates("attention", call),
+                 note=f"CSA layer {ctx.layer_id}, VLLM_NVIDIA numerics; decode continues caches at a "
+                      f"{decode_context(env)}-token context")
+
+
+def _filled_cache(ctx: AttentionContext, env: Env, batch: int, *, reference: bool):
+    """A cache of `batch` sequences that have seen `decode_context` tokens: random window rows, compressed entries
+    and index keys, compressor states holding a random previous block (the context is a multiple of 4, so no
+    block is open). The reference's cache type for the reference layer, `optimized.AttentionCache` (584-byte FP8
+    rows) for the others."""
+    from optimized.attention import AttentionCache as OptimizedCache
+    from reference.cache import AttentionCache as ReferenceCache
+
+    cfg, p = env.cfg, decode_context(env)
+    cache = (ReferenceCache.empty(cfg, ctx.layer_id, batch, env.device) if reference
+             else OptimizedCache.empty(cfg, ctx.layer_id, batch, env.device, packed=True))
+    n_entries = p // cfg.compress_ratio(ctx.layer_id)
+    for b, seq in enumerate(cache.sequences):
+        window = env.randn(cfg.window_size, cfg.head_dim, salt=1000 + b)
+        entries = env.randn(n_entries, cfg.head_dim, salt=2000 + b)
+        seq.window = unpack_kv(pack_kv(window, env.fmt), env.fmt) if reference else pack_kv(window, env.fmt)
+        seq.compressed = unpack_kv(pack_kv(entries, env.fmt), env.fmt) if reference else pack_kv(entries, env.fmt)
+        seq.indexer_keys = env.randn(p // INDEXER_RATIO, cfg.index_head_dim, salt=3000 + b)
+        for state in (seq.compressor, seq.indexer_compressor):
+            ratio = state.kv.shape[0] // 2  # ratio 4 states hold the previous block, then the open one
+            state.kv[:ratio] = env.randn(ratio, state.kv.shape[1], salt=4000 + b, dtype=torch.float32)
+            state.score[:ratio] = env.randn(ratio, state.kv.shape[1], salt=5000 + b, dtype=torch.float32)
+            state.next_position = p
+        seq.next_position = p
+    return cache
+
+
+def _fp8_bytes(w: Fp8Weight) -> float:
+    return w.data.numel() + w.scale.numel() * FP32
+
+
+def layer_work(ctx: AttentionContext, env: Env, tokens: int, decode: bool) -> Work:
+    """The CSA layer's work at the point's token positions (module docstring)."""
+    cfg, w = env.cfg, ctx.weights
+    assert w.compressor is not None and w.indexer is not None
+    if decode:
+        positions = torch.full((tokens,), decode_context(env), dtype=torch.float64)
+    else:
+        positions = torch.arange(tokens, dtype=torch.float64)
+    visible = torch.floor((positions + 1) / INDEXER_RATIO)
+    slots = float((torch.clamp(positions + 1, max=cfg.window_size) + torch.clamp(visible, max=cfg.index_topk)).sum())
+    linears = (w.wq_a, w.wq_b, w.wkv, w.indexer.wq_b, w.wo_a, w.wo_b)
+    fp8_flops = 2.0 * tokens * sum(lin.data.numel() for lin in linears)
+    comp = (w.compressor, w.indexer.compressor)
+    bf16_weights = sum((c.wkv.numel() + c.wgate.numel()) * BF16 for c in comp) + w.indexer.weights_proj.numel() * BF16
+    bf16_flops = (2.0 * tokens * (sum(c.wkv.numel() + c.wgate.numel() for c in comp) + w.indexer.weights_proj.numel())
+                  + 2.0 * cfg.index_n_heads * cfg.index_head_dim * float(visible.sum())
+                  + 4.0 * cfg.n_heads * cfg.head_dim * slots)
+    weights = sum(_fp8_bytes(lin) for lin in linears) + bf16_weights
+    kv_rows = slots * KV_PACKED_BYTES if decode else tokens * (1 + 1 / 4) * KV_PACKED_BYTES
+    index_keys = float(visible.sum()) * cfg.index_head_dim * BF16 if decode else tokens / 4 * cfg.index_head_dim * BF16
+    activations = 2 * tokens * cfg.dim * BF16
+    fp8 = Work(fp8_flops, weights + activations + kv_rows + index_keys, "fp8", weights)
+    return fp8 + Work(bf16_flops, 0.0, "bf16")
+
+
+# ------------------------------------------------------------------------------------------------
+# Baselines (indexer)
+# ------------------------------------------------------------------------------------------------
+
+
+def _torch_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor):
+    """bf16 einsum, relu, head-weighted sum in fp32, in token chunks (the official code's eager ops)."""
+
+    def run() -> torch.Tensor:
+        out = torch.empty((q.shape[0], k.shape[0]), dtype=torch.float32, device=q.device)
+        for s in range(0, q.shape[0], BASELINE_TOKEN_CHUNK):
+            logits = torch.einsum("thd,nd->thn", q[s:s + BASELINE_TOKEN_CHUNK], k).relu()
+            out[s:s + BASELINE_TOKEN_CHUNK] = torch.einsum("thn,th->tn", logits.float(), w[s:s + BASELINE_TOKEN_CHUNK])
+        return out
+
+    return run
+
+
+def _checked_torch_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ctx: AttentionContext):
+    n = min(CHECK_TOKENS, q.shape[0])
+    check_close("torch indexer scores", _torch_scores(q[:n], k, w[:n])(),
+                reference_indexer_scores(q[:n], k, w[:n], ctx.numerics))
+    return _torch_scores(q, k, w)
+
+
+def _deepgemm_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor):
+    """`fp8_fp4_mqa_logits` on q and k already in FP8 (one power-of-two scale per query head, folded into the
+    weights, and per key row): the kernel the deepgemm backend wraps, without its per-call quantization."""
+    dg = deep_gemm()
+    t, hi, d = q.shape
+    q_fp8, q_scale = quantize_per_token(q.reshape(-1, d), d, "e4m3fn")
+    k_fp8, k_scale = quantize_per_token(k, d, "e4m3fn")
+    weights = (w * q_scale.view(t, hi)).contiguous()
+    k_scale = k_scale.reshape(-1).contiguous()
+    zeros = torch.zeros(t, dtype=torch.int32, device=q.device)
+    ends = zeros + k.shape[0]
+
+    def run() -> torch.Tensor:
+        return dg.fp8_fp4_mqa_logits((q_fp8.view(t, hi, d), None), (k_fp8, k_scale), weights, zeros, ends, k.shape[0])
+
+    want = torch.einsum("thd,nd->thn", q_fp8.float().view(t, hi, d) * q_scale.view(t, hi, 1), k_fp8.float()
+                        * k_scale[:, None]).relu()
+    check_close("DeepGEMM fp8_fp4_mqa_logits", run(), torch.einsum("thn,th->tn", want, w))
+    return run
+
+
+def _torch_topk(scores: torch.Tensor, n_visible: torch.Tensor, topk: int):
+    def run() -> torch.Tensor:
+        visible = torch.arange(scores.shape[1], device=scores.device)[None, :] < n_visible[:, None]
+        masked = scores.masked_fill(~visible, float("-inf"))
+        idx = torch.topk(masked, min(topk, scores.shape[1]), dim=-1).indices
+        rank = torch.arange(idx.shape[1], device=scores.device)[None, :]
+        return torch.where(rank < n_visible[:, None], idx, -1)
+
+    return run
+
+
 FAMILY = Family(
     name="attention",
     setup=setup,
     ops=(
         OpBench("sparse_attention", "sparse attention with sink over window + top-k compressed rows (bf16 KV)",
-                sparse_attention_point),
+                sparse_attention_point, smoke_tokens=SMOKE_DECODE_TOKENS),
         OpBench("sparse_attention_fp8", "sparse attention reading the 584-byte FP8 KV cache (decode)",
-                sparse_attention_fp8_point, tokens=DECODE_TOKENS),
+                sparse_attention_fp8_point, tokens=DECODE_TOKENS, smoke_tokens=(1,)),
+        OpBench("indexer_scores", "lightning-indexer scores of every token against every key", indexer_scores_point,
+                smoke_tokens=SMOKE_DECODE_TOKENS),
+        OpBench("indexer_topk", "top-k of the visible entries' scores", indexer_topk_point,
+                smoke_tokens=SMOKE_DECODE_TOKENS),
+        OpBench("compress", "the CSA KV compressor (ratio 4, overlapping), prefill form", compress_point),
+        OpBench("attention", "the whole CSA attention layer: projections, compressors, indexer, sparse attention, "
+                "output projection", attention_point, smoke_tokens=SMOKE_DECODE_TOKENS),
     ),
 )

@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.baselines import check_close, deep_gemm, deepgemm_scales
 from benchmarks.roofline import Work
-from benchmarks.suite import Env, Family, OpBench, Point, backend_candidates, baseline
+from benchmarks.suite import VARIANT, Env, Family, OpBench, Point, backend_candidates, baseline
 from reference.formats import quantize_per_token
 from reference.moe import MoEWeights, random_moe_weights
 from reference.moe import experts as reference_experts
@@ -156,6 +156,9 @@ def experts_point(ctx: MoEContext, env: Env, tokens: int) -> Point:
                                                                                                          ids, tw)))
     cands.append(baseline("DeepGEMM m_grouped contiguous x2 (raw GEMMs only)",
                           lambda: _deepgemm_grouped(ctx, env, x, ids)))
+    for layout in ("masked", "contiguous"):
+        cands.append(baseline(f"deepgemm, {layout} layout", lambda layout=layout: _deepgemm_layout(ctx, env, x, ids, tw,
+                                                                                                  layout), VARIANT))
     return Point("experts", cfg.name, tokens, _shape(env, tokens), experts_work(ctx, env, tokens, ids), cands,
                  note="identical routing for every candidate (the reference's)")
 
@@ -257,6 +260,21 @@ def _checked_grouped_bf16(ctx: MoEContext, env: Env, x: torch.Tensor, ids: torch
                              numerics=EXACT.replace(fp8_format=env.fmt))
     check_close("torch bf16 _grouped_mm", small, want)
     return _grouped_bf16(ctx, env, x, ids, tw)
+
+
+def _deepgemm_layout(ctx: MoEContext, env: Env, x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, layout: str):
+    """The deepgemm backend forced onto one grouped layout (`optimized.deepgemm.moe.experts(layout=...)`, its
+    benchmark hook): timing both at every T places `MASKED_MAX_TOKENS`, the switch between them."""
+    from optimized.backends import backend_status
+
+    ok, why = backend_status("deepgemm")
+    if not ok:
+        raise RuntimeError(why)
+    from optimized.deepgemm import moe as dg_moe
+
+    w, cfg = ctx.weights, env.cfg
+    return lambda: dg_moe.experts(x, ids, tw, w.w13, w.w2, swiglu_limit=cfg.swiglu_limit, numerics=ctx.numerics,
+                                  layout=layout)
 
 
 def _deepgemm_grouped(ctx: MoEContext, env: Env, x: torch.Tensor, ids: torch.Tensor):

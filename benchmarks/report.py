@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from benchmarks.roofline import Roofline
-from benchmarks.suite import BACKEND, Family, Result
+from benchmarks.suite import BASELINE, Family, Result
 from benchmarks.targets import Verdict
 
 SMOKE_BANNER = ("**CPU smoke run** (TINY shapes, Triton in the CPU interpreter): it proves the benchmark code "
@@ -101,7 +101,8 @@ def markdown(*, env: dict[str, Any], roofline: Roofline, families: Sequence[Fami
         "and *GB/s* come from work counted from the shapes (useful FLOP; every input read once, every output written "
         "once), not from what a kernel happens to move. *roofline* = roofline floor / time, the floor being "
         "max(FLOP / matmul ceiling, bytes / copy bandwidth) with FP8 ops held against the FP8 ceiling and the rest "
-        "against bf16. *vs ref* = reference time / time; *vs baseline* = the fastest baseline's time / time. "
+        "against bf16. *vs ref* = reference time / time; *vs baseline* = the fastest baseline's time / time "
+        "(baselines in italics; variants = a backend forced onto one internal path). "
         "The fastest candidate of each point is in bold. Candidates that cannot run here are listed under each "
         "table with the reason; the reference is skipped at token counts past the one where a call took over 2 s, "
         "except where a target needs it.", ""]
@@ -148,7 +149,7 @@ def _op_table(op: str, description: str, results: list[Result], smoke: bool) -> 
                       "| vs baseline |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
         fastest = _fastest(results)
         for r in shown:
-            name = r.candidate if r.kind == BACKEND else f"*{r.candidate}*"
+            name = f"*{r.candidate}*" if r.kind == BASELINE else r.candidate
             if r.status == "error":
                 lines.append(f"| {r.config} | {r.tokens} | {r.shape} | {name} | **error**: {r.reason} |"
                              + ("" if smoke else " | | | | |"))
@@ -241,6 +242,7 @@ def _plots(out: Path, families: Sequence[Family], results: list[Result], smoke: 
                 ax.set_ylabel(ylabel)
                 ax.set_title(op + (" — CPU smoke run, not a measurement" if smoke else ""), fontsize=9)
                 ax.grid(True, which="both", alpha=0.3)
+            row[1].axhline(1.0, color="black", linewidth=0.6)  # the roofline itself
             row[1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
         fig.tight_layout()
         path = out / f"bench_{family.name}.png"

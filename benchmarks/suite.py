@@ -35,13 +35,18 @@ from reference.weights import Fp8Weight
 DECODE_TOKENS = (1, 8, 64, 128)
 PREFILL_TOKENS = (512, 4096, 8192)
 TOKENS = DECODE_TOKENS + PREFILL_TOKENS
-# CPU smoke mode: TINY at one decode and one small prefill token count.
-SMOKE_TOKENS = (1, 16)
+# CPU smoke mode: TINY at one small token count (the Triton interpreter takes seconds per MoE call); ops whose
+# decode and prefill inputs differ (attention) add one decode count.
+SMOKE_TOKENS = (16,)
+SMOKE_DECODE_TOKENS = (1, 16)
 # The eager reference is skipped at larger token counts once one call takes longer than this.
 REF_SLOW_S = 2.0
 BACKEND_NAMES = ("reference", "triton", "deepgemm")
 
-BACKEND, BASELINE = "backend", "baseline"
+# Candidate kinds: a backend of the public API; a baseline (what a user would call without this package); a
+# variant (a backend forced onto one of its internal paths, e.g. DeepGEMM's masked vs contiguous MoE layout, so
+# the lead can place the switch between them): variants count neither as baselines nor for the targets.
+BACKEND, BASELINE, VARIANT = "backend", "baseline", "variant"
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ class Candidate:
 
     Attributes:
         name: backend name (`reference`, `triton`, `deepgemm`) or baseline label.
-        kind: `BACKEND` or `BASELINE`.
+        kind: `BACKEND`, `BASELINE` or `VARIANT`.
         fn: the zero-argument call to time, or None when `na` says why it cannot run.
         na: the reason it cannot run here.
     """
@@ -127,12 +132,17 @@ class OpBench:
         description: one line for the report.
         make: (family context, env, tokens) -> Point.
         tokens: the token counts it runs at (default: decode + prefill).
+        smoke_tokens: the token counts of the CPU smoke run.
     """
 
     name: str
     description: str
     make: Callable[[Any, Env, int], Point]
     tokens: tuple[int, ...] = TOKENS
+    smoke_tokens: tuple[int, ...] = SMOKE_TOKENS
+
+    def token_counts(self, env: Env) -> tuple[int, ...]:
+        return self.smoke_tokens if env.smoke else self.tokens
 
 
 @dataclass(frozen=True)
@@ -224,12 +234,13 @@ def implemented(op: str) -> bool:
     return op in registry()
 
 
-def baseline(name: str, build: Callable[[], Callable[[], object]]) -> Candidate:
-    """A baseline candidate whose call `build()` prepares; a failure to prepare makes it n/a with the reason."""
+def baseline(name: str, build: Callable[[], Callable[[], object]], kind: str = BASELINE) -> Candidate:
+    """A baseline (or variant) candidate whose call `build()` prepares; a failure to prepare makes it n/a with
+    the reason."""
     try:
-        return Candidate(name, BASELINE, fn=build())
+        return Candidate(name, kind, fn=build())
     except Exception as exc:
-        return Candidate(name, BASELINE, na=_describe(exc))
+        return Candidate(name, kind, na=_describe(exc))
 
 
 def _describe(exc: BaseException) -> str:
@@ -285,7 +296,7 @@ class Runner:
         cfg = env.cfg.name
         if self._over_budget():
             for op in ops:
-                for t in tokens or op.tokens:
+                for t in tokens or op.token_counts(env):
                     self._record_all(family, op, cfg, t, "skipped", f"run-time budget of {self.budget_s:.0f} s spent")
             return
         try:
@@ -293,12 +304,12 @@ class Runner:
         except Exception as exc:
             self.log(f"[bench] {family.name}/{cfg} setup failed:\n{traceback.format_exc()}")
             for op in ops:
-                for t in tokens or op.tokens:
+                for t in tokens or op.token_counts(env):
                     self._record_all(family, op, cfg, t, "error", f"family setup failed: {_describe(exc)}")
             return
         for op in ops:
             slow_ref: tuple[int, float] | None = None
-            for t in sorted(tokens or op.tokens):
+            for t in sorted(tokens or op.token_counts(env)):
                 if self._over_budget():
                     self._record_all(family, op, cfg, t, "skipped", f"run-time budget of {self.budget_s:.0f} s spent")
                     continue
@@ -349,7 +360,7 @@ class Runner:
         try:
             timing = self.timer.time(cand.fn, slow_s=REF_SLOW_S if is_ref else None)
         except torch.cuda.OutOfMemoryError as exc:
-            res.status = "n/a" if cand.kind == BASELINE or is_ref else "error"
+            res.status = "error" if cand.kind == BACKEND and not is_ref else "n/a"
             res.reason = f"out of GPU memory ({_describe(exc)[:120]})"
             self._free()
             return

@@ -20,7 +20,6 @@ from benchmarks.suite import (
     BACKEND_NAMES,
     BASELINE,
     REF_SLOW_S,
-    SMOKE_TOKENS,
     Candidate,
     Env,
     Family,
@@ -81,7 +80,7 @@ def test_cpu_smoke_run_reports_every_candidate_of_every_op(smoke_run) -> None:
     impls = registry()
     for family in families():
         for op in family.ops:
-            for tokens in SMOKE_TOKENS:
+            for tokens in op.smoke_tokens:
                 rows = {r["candidate"]: r for r in results if r["op"] == op.name and r["tokens"] == tokens}
                 assert set(BACKEND_NAMES) <= set(rows), (op.name, tokens, sorted(rows))
                 for row in rows.values():
@@ -283,3 +282,22 @@ def test_benchmark_flash(benchmark, family_name: str, op_name: str, tokens: int,
     benchmark.extra_info.update(op=op_name, config="FLASH", tokens=tokens, flops=point.work.flops,
                                 bytes=point.work.bytes)
     benchmark.pedantic(run, setup=timer.flush_l2, rounds=10, warmup_rounds=1, iterations=1)
+
+
+def test_markdown_shows_figures_bold_fastest_and_lists_na_reasons() -> None:
+    from benchmarks import report
+    from benchmarks.suite import _compare
+
+    fam = Family("fam", lambda env: None, (OpBench("a", "op a", lambda ctx, env, t: None, tokens=(4096,)),))
+    rows = [_result("a", "triton", 2e-3, tflops=900.0), _result("a", "deepgemm", 1e-3, tflops=1800.0),
+            Result("fam", "a", "FLASH", 4096, "", "torch _scaled_mm", BASELINE, "n/a", "unsupported here"),
+            Result("fam", "a", "FLASH", 4096, "", "reference", BACKEND, "skipped", "reference took 9 s")]
+    _compare(rows)
+    env = {"command": "dsv4-bench", "date": "today", "commit": "abc", "gpu": "H200", "arch": "sm90", "driver": "1",
+           "cuda": "13", "torch": "2.11", "triton": "3.6", "deep_gemm": "2.8.2", "python": "3.12"}
+    md = report.markdown(env=env, roofline=ROOF, families=[fam], results=rows, verdicts=evaluate(rows, ROOF, ()),
+                         plots={}, plot_note="", smoke=False)
+    assert "| FLASH | 4096 |  | **deepgemm** | 1000.0 | 1800 |" in md
+    assert "- n/a: torch _scaled_mm — unsupported here (FLASH T=4096)" in md
+    assert "- skipped: reference — reference took 9 s (FLASH T=4096)" in md
+    assert "2000 TFLOP/s" in md  # the measured FP8 ceiling is printed
