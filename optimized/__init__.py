@@ -5,13 +5,15 @@
 """
 
 from optimized.backends import Hardware, backend_status, detect, select
-# from optimized.einsum import fp8_einsum, output_projection, quantize_attn_output
+from optimized.einsum import fp8_einsum, output_projection, quantize_attn_output
+from optimized.linear import fp8_linear
 
 __all__ = [
     "Hardware",
     "backend_status",
     "detect",
     "fp8_einsum",
+    "fp8_linear",
     "output_projection",
     "quantize_attn_output",
     "select",

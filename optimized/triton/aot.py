@@ -22,7 +22,7 @@ from typing import Any
 from optimized.triton._fp8 import fp8_constants
 
 # Modules that define AOT_SPECS. Add yours here.
-KERNEL_MODULES: tuple[str, ...] = ()
+KERNEL_MODULES: tuple[str, ...] = ("optimized.triton.quant", "optimized.triton.einsum")
 
 # (name, backend, arch, warp size, FP8 format native to the target)
 TARGETS = (
@@ -47,6 +47,9 @@ class AotSpec:
         constexprs: constexpr values (do not include the FP8 constants; see `fp8`).
         fp8: add `FP8_MAX`, `MIN_NORMAL_EXP`, `HAS_NEG_ZERO` of the target's FP8 format to constexprs.
         num_warps, num_stages: launch options.
+        aligned: arguments (pointers, strides) that are multiples of 16 at the real launches. The JIT
+            specializes on that (`tt.divisibility = 16`) and only then vectorizes and pipelines loads; an
+            AOT compile without it reports scalar loads, no pipelining and inflated registers.
     """
 
     name: str
@@ -56,6 +59,7 @@ class AotSpec:
     fp8: bool = False
     num_warps: int = 4
     num_stages: int = 2
+    aligned: tuple[str, ...] = ()
 
 
 def all_specs() -> list[AotSpec]:
@@ -77,7 +81,7 @@ def _resources(kernel: Any, target: str) -> dict[str, int]:
                 "spills": field_of("vgpr_spill_count") + field_of("sgpr_spill_count")}
     from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = get_ptxas().path
+    ptxas = get_ptxas(90).path
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")
         with open(ptx, "w") as f:
@@ -106,7 +110,8 @@ def compile_one(spec: AotSpec, target: tuple[str, str, Any, int, str]) -> dict[s
         signature[key] = "constexpr"
     row: dict[str, Any] = {"kernel": spec.name, "target": name, "fmt": fmt}
     try:
-        src = triton.compiler.ASTSource(fn=spec.kernel, signature=signature, constexprs=constexprs)
+        attrs = {(spec.kernel.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in spec.aligned}
+        src = triton.compiler.ASTSource(fn=spec.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
         kernel = triton.compile(src, target=GPUTarget(backend, arch, warp),
                                 options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
         row.update(_resources(kernel, name))

@@ -1,0 +1,314 @@
+"""Block-scaled FP8 GEMM in Triton: the grouped einsum `'bhr,hdr->bhd'` (and, with h = 1, the FP8 linear).
+
+Math (spec §2.5, §4.1): for each 128-wide K block, an FP8 `tl.dot` into an fp32 block accumulator, scaled
+by `sa[m, kb] * sb[n // GRAN_N, kb]` and added into the fp32 main accumulator — DeepGEMM's SM90
+"promotion". The FP8 format is the operands' dtype (e4m3fn on NVIDIA and gfx950, e4m3fnuz on gfx942).
+
+Two variants, picked by `choose_config` from the token count b:
+  * full-K: one program per (h, M tile, N tile) runs the whole K loop and stores bf16 (or fp32).
+  * split-K (decode, b <= 64): at small b the op is a stream over the weight (FLASH: 33.5 MB, ~8 us of
+    HBM at b = 1), and one program per output tile gives h * d / BLOCK_N = 128 programs — fewer than
+    the GPU's SMs. Each program then runs a slice of K and writes fp32 partial sums to a workspace
+    [split, b, h, d]; a second kernel adds the slices in a fixed order. No atomics: results are
+    bitwise reproducible run to run (they are not batch-invariant: tiles and splits depend on b).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from optimized.triton._fp8 import prepare_interpreter
+from optimized.triton.aot import AotSpec
+from optimized.triton.quant import check_fp8_support
+from reference.einsum import SCALE_BLOCK, check_fp8_einsum_args
+from reference.formats import fp8_format
+
+SUPPORTED_EXPR = "bhr,hdr->bhd"
+SUPPORTED_RECIPES = ((1, 128, 128), (1, 1, 128))
+# Below this many programs per SM the full-K grid leaves the GPU under-filled; split-K aims for it.
+PROGRAMS_PER_SM = 2
+# SM count used when no GPU is present (the CPU interpreter): the H200's, so that a CPU run picks the
+# same configurations as the H200 for the same shapes.
+DEFAULT_NUM_SMS = 132
+# A split gets at least this many 128-wide K blocks (fewer makes the workspace traffic dominate).
+MIN_K_BLOCKS_PER_SPLIT = 2
+# Split-K only while the fp32 workspace (split x b x h x d x 4 bytes) stays small next to the weight.
+MAX_SPLIT_K_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class EinsumConfig:
+    """Tile configuration of one launch.
+
+    Attributes:
+        block_m, block_n: output tile (tokens x output channels).
+        split_k: number of K slices (1 = full-K variant).
+        num_warps, num_stages: Triton launch options.
+    """
+
+    block_m: int
+    block_n: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (CUs on ROCm) of `device`; `DEFAULT_NUM_SMS` on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS
+
+
+def choose_config(b: int, h: int, d: int, k_blocks: int, sms: int) -> EinsumConfig:
+    """The tile table (by token count b) and the split-K rule.
+
+    | b        | BLOCK_M | BLOCK_N | warps | stages | why                                            |
+    |----------|---------|---------|-------|--------|------------------------------------------------|
+    | <= 16    | 16      | 64      | 4     | 4      | decode: smallest dot tile, weight streaming    |
+    | <= 32    | 32      | 64      | 4     | 4      |                                                |
+    | <= 64    | 64      | 64      | 4     | 3      |                                                |
+    | <= 256   | 128     | 64      | 8     | 3      | one wave of h * d / 64 programs (128 on FLASH) |
+    | > 256    | 128     | 128     | 8     | 3      | compute-bound: large tiles, A reuse            |
+
+    Split-K (b <= MAX_SPLIT_K_TOKENS only): when the full-K grid has fewer than PROGRAMS_PER_SM * sms
+    programs, K is cut into enough equal slices to reach that (the smallest divisor of the number of
+    128-wide K blocks that does, with at least MIN_K_BLOCKS_PER_SPLIT blocks per slice). FLASH b = 1:
+    128 tiles -> 4 slices of 8 K blocks -> 512 programs. The stage counts keep the shared memory of
+    every config within gfx942's 64 KB LDS, and no config spills (checked by the AOT compile; sm_90
+    registers: 80 / 108 / 128 / 128 / 234 per thread).
+    """
+    if b <= 16:
+        config = EinsumConfig(16, 64, 1, 4, 4)
+    elif b <= 32:
+        config = EinsumConfig(32, 64, 1, 4, 4)
+    elif b <= 64:
+        config = EinsumConfig(64, 64, 1, 4, 3)
+    elif b <= 256:
+        config = EinsumConfig(128, 64, 1, 8, 3)
+    else:
+        config = EinsumConfig(128, 128, 1, 8, 3)
+    tiles = h * triton.cdiv(b, config.block_m) * triton.cdiv(d, config.block_n)
+    target = PROGRAMS_PER_SM * sms
+    if b <= MAX_SPLIT_K_TOKENS and tiles < target:
+        wanted = triton.cdiv(target, tiles)
+        divisors = [s for s in range(1, k_blocks // MIN_K_BLOCKS_PER_SPLIT + 1) if k_blocks % s == 0] or [1]
+        split = next((s for s in divisors if s >= wanted), divisors[-1])
+        config = EinsumConfig(config.block_m, config.block_n, split, config.num_warps, config.num_stages)
+    return config
+
+
+@triton.jit
+def _fp8_einsum_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr,
+    M, N, K_BLOCKS_PER_SPLIT,
+    stride_am, stride_ah, stride_sam, stride_sah, stride_sak,
+    stride_bh, stride_bn, stride_sbh, stride_sbn, stride_sbk,
+    stride_cs, stride_cm, stride_ch, stride_cn,
+    BLOCK_K: tl.constexpr, GRAN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """C[split, m, h, n] = sum over this split's K blocks of sa * sb * dot(A[m, h, kb], B[h, n, kb]).
+
+    BLOCK_K is the K granularity of A's scales (128 for the einsum; the act-quant block for the
+    linear); B's scales are per 128 K (`// 128`) and per GRAN_N rows (128 or 1). C is bf16 / fp32 (the
+    output, stride_cs = 0) or the fp32 split-K workspace.
+    """
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + h.to(tl.int64) * stride_ah + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + h.to(tl.int64) * stride_bh + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+    sa_ptrs = sa_ptr + h * stride_sah + offs_m * stride_sam
+    sb_ptrs = sb_ptr + h * stride_sbh + (offs_n // GRAN_N) * stride_sbn
+
+    kb_start = split * K_BLOCKS_PER_SPLIT  # the slices cut K evenly
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, K_BLOCKS_PER_SPLIT):
+        kb = kb_start + i
+        k0 = kb * BLOCK_K
+        a = tl.load(a_ptrs + k0, mask=m_ok[:, None], other=0.0)
+        b = tl.load(b_ptrs + k0, mask=n_ok[:, None], other=0.0)
+        block_acc = tl.dot(a, tl.trans(b))  # FP8 x FP8 -> fp32, one K block
+        sa = tl.load(sa_ptrs + kb * stride_sak, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptrs + (k0 // 128) * stride_sbk, mask=n_ok, other=0.0)
+        acc += block_acc * sa[:, None] * sb[None, :]  # promotion into the fp32 main accumulator
+
+    c_ptrs = (c_ptr + split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm
+              + h.to(tl.int64) * stride_ch + offs_n[None, :] * stride_cn)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    ws_ptr, out_ptr, TOTAL, H, N, SPLITS, stride_om, stride_oh, stride_on, BLOCK: tl.constexpr,
+):
+    """out[m, h, n] = sum_{s = 0..SPLITS-1} ws[s, m, h, n], in that order (deterministic)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < TOTAL
+    ws_ptrs = ws_ptr + offs
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for _ in range(SPLITS):
+        acc += tl.load(ws_ptrs, mask=ok, other=0.0)
+        ws_ptrs += TOTAL
+    m = offs // (H * N)
+    hn = offs % (H * N)
+    dst = out_ptr + m * stride_om + (hn // N) * stride_oh + (hn % N) * stride_on
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+_REDUCE_BLOCK = 1024
+
+
+def block_scaled_matmul(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    a_block_k: int,
+    b_gran_n: int,
+    config: EinsumConfig | None = None,
+) -> torch.Tensor:
+    """Launch `out[m, h, n] = sum_k A[m, h, k] B[h, n, k]` with block scales (shapes already validated).
+
+    Args:
+        a: [M, H, K] FP8, unit last stride; a_scale: [M, H, K / a_block_k] fp32, any strides.
+        b: [H, N, K] FP8 (same format), unit last stride; b_scale: [H, N / b_gran_n, K / 128] fp32.
+        out: [M, H, N] bf16 or fp32, any strides; written and returned.
+        a_block_k: K granularity of A's scales (32, 64 or 128; K must be a multiple of 128).
+        b_gran_n: N granularity of B's scales (128 or 1).
+        config: tiles and split-K; `choose_config` when None.
+    """
+    m, h, k = a.shape
+    n = b.shape[1]
+    if m == 0 or h == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    k_blocks = k // SCALE_BLOCK
+    if config is None:
+        config = choose_config(m, h, n, k_blocks, num_sms(a.device))
+    splits = config.split_k
+    if splits < 1 or k_blocks % splits:
+        raise ValueError(f"config: split_k = {splits} must divide the {k_blocks} 128-wide K blocks")
+    per_split = k_blocks // splits  # 128-wide K blocks per slice
+    prepare_interpreter()
+    if splits > 1:
+        target = torch.empty((splits, m, h, n), dtype=torch.float32, device=a.device)
+        c_strides = (m * h * n, h * n, n, 1)
+    else:
+        target = out
+        c_strides = (0, *out.stride())
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), h, splits)
+    _fp8_einsum_kernel[grid](
+        a, a_scale, b, b_scale, target,
+        m, n, per_split * (SCALE_BLOCK // a_block_k),
+        a.stride(0), a.stride(1), a_scale.stride(0), a_scale.stride(1), a_scale.stride(2),
+        b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
+        *c_strides,
+        BLOCK_K=a_block_k, GRAN_N=b_gran_n,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        total = m * h * n
+        _split_k_reduce_kernel[(triton.cdiv(total, _REDUCE_BLOCK),)](
+            target, out, total, h, n, splits, *out.stride(), BLOCK=_REDUCE_BLOCK, num_warps=4,
+        )
+    return out
+
+
+def check_supported(expr: str, recipe: tuple[int, int, int], a: tuple[torch.Tensor, torch.Tensor],
+                    b: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None) -> None:
+    """What the Triton kernel needs beyond `check_fp8_einsum_args` (raises ValueError naming the argument)."""
+    if expr != SUPPORTED_EXPR:
+        raise ValueError(f"expr: the triton backend implements only {SUPPORTED_EXPR!r}, got {expr!r} "
+                         "(the reference implements all three; DeepGEMM has the other two on SM100 only)")
+    if recipe not in SUPPORTED_RECIPES:
+        raise ValueError(f"recipe: the triton backend implements {SUPPORTED_RECIPES}, got {recipe!r}")
+    check_fp8_support(fp8_format(a[0].dtype), a[0].device, "a[0]")
+    r = a[0].shape[2]
+    if r % SCALE_BLOCK:
+        raise ValueError(f"a[0]: the triton backend needs r (= {r}) to be a multiple of {SCALE_BLOCK}")
+    for name, t in (("a[0]", a[0]), ("b[0]", b[0])):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {tuple(t.stride())}")
+
+
+def fp8_einsum(
+    expr: str,
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor | None = None,
+    *,
+    recipe: tuple[int, int, int] = (1, 128, 128),
+    config: EinsumConfig | None = None,
+) -> torch.Tensor:
+    """Triton `fp8_einsum` for `'bhr,hdr->bhd'` with recipe (1, 128, 128) or (1, 1, 128).
+
+    Same contract as `reference.einsum.fp8_einsum` (scale layouts in its table). Any strides with a unit
+    last stride for the data (e.g. the [G, T, K]-transposed `o_fp8` of `quantize_attn_output`), any
+    strides for the scales (row-major or DeepGEMM's MN-major layout) and for `out`.
+
+    Args:
+        config: override the tile / split-K choice (benchmarks and tests); `choose_config` when None.
+    """
+    dims = check_fp8_einsum_args(expr, a, b, out, recipe)
+    check_supported(expr, recipe, a, b, out)
+    if out is None:
+        out = torch.empty(dims.out_shape, dtype=torch.bfloat16, device=a[0].device)
+    return block_scaled_matmul(a[0], a[1], b[0], b[1], out, a_block_k=SCALE_BLOCK, b_gran_n=recipe[1],
+                               config=config)
+
+
+# Arguments that are multiples of 16 at the DSv4 launches (the JIT specializes on it; see `AotSpec.aligned`).
+_ALIGNED_ARGS = ("a_ptr", "sa_ptr", "b_ptr", "sb_ptr", "c_ptr", "N", "stride_am", "stride_ah", "stride_bh", "stride_bn",
+                 "stride_cs", "stride_cm", "stride_ch")
+
+
+def _einsum_spec(config: EinsumConfig, out: str) -> AotSpec:
+    ints = ("M", "N", "K_BLOCKS_PER_SPLIT", "stride_am", "stride_ah", "stride_sam", "stride_sah", "stride_sak",
+            "stride_bh", "stride_bn", "stride_sbh", "stride_sbn", "stride_sbk",
+            "stride_cs", "stride_cm", "stride_ch", "stride_cn")
+    return AotSpec(
+        name=f"fp8_einsum[BM={config.block_m},BN={config.block_n},split={config.split_k > 1},out={out}]",
+        kernel=_fp8_einsum_kernel,
+        signature={"a_ptr": "*{fp8}", "sa_ptr": "*fp32", "b_ptr": "*{fp8}", "sb_ptr": "*fp32", "c_ptr": f"*{out}",
+                   **dict.fromkeys(ints, "i32")},
+        constexprs={"BLOCK_K": SCALE_BLOCK, "GRAN_N": 128,
+                    "BLOCK_M": config.block_m, "BLOCK_N": config.block_n},
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        aligned=_ALIGNED_ARGS,
+    )
+
+
+# The launch configurations of `choose_config` at the DSv4 shape (r = 4096): decode split-K (fp32
+# workspace), b = 128 and prefill full-K (bf16 out), and the split-K reduction.
+AOT_SPECS = [
+    _einsum_spec(choose_config(1, 8, 1024, 32, DEFAULT_NUM_SMS), "fp32"),
+    _einsum_spec(choose_config(128, 8, 1024, 32, DEFAULT_NUM_SMS), "bf16"),
+    _einsum_spec(choose_config(4096, 8, 1024, 32, DEFAULT_NUM_SMS), "bf16"),
+    AotSpec(
+        name="split_k_reduce",
+        kernel=_split_k_reduce_kernel,
+        signature={"ws_ptr": "*fp32", "out_ptr": "*bf16",
+                   **dict.fromkeys(("TOTAL", "H", "N", "SPLITS", "stride_om", "stride_oh", "stride_on"), "i32")},
+        constexprs={"BLOCK": _REDUCE_BLOCK},
+        aligned=("ws_ptr", "out_ptr", "TOTAL", "N", "stride_om", "stride_oh"),
+    ),
+]
