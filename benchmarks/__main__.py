@@ -7,21 +7,35 @@
 Without a GPU the smoke mode is chosen by itself. Writes BENCHMARKS.md, bench.json and one PNG per op family
 into `--out`. Exits 0 when every candidate ran or was reported n/a / skipped with its reason (targets that are
 not met are reported, not failures); 1 when any candidate raised (an error); 2 on bad arguments.
+
+On a GPU the run has two phases. First, warm-up: one process per (op family, config) calls every Triton and
+DeepGEMM candidate once at every point, in parallel, so that their JIT compilations (seconds each, one CPU core
+each) land in the on-disk caches (Triton's and DeepGEMM's `DG_JIT_CACHE_DIR`) concurrently instead of one after
+the other; nothing is timed there. Second, this process measures the ceilings and times every point, finding
+the kernels compiled. A warm-up process that fails or runs out of its time only leaves compilation to the second
+phase (its log is kept in a temporary folder, named in the output).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 import torch
 
 DEFAULT_CONFIGS = ("FLASH", "PRO")
 # Wall-clock budget of a GPU run: the whole suite must finish inside one 10-minute command, report included.
 GPU_BUDGET_S = 450.0
+# The warm-up phase may use at most this share of the budget; its processes are stopped after it.
+WARMUP_SHARE = 0.5
+# At most this many warm-up processes at once (each holds one config's weights of one family on the GPU).
+MAX_WARMUP_WORKERS = 6
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=20, help="most timed runs per candidate (default 20)")
     p.add_argument("--budget-s", type=float, default=GPU_BUDGET_S,
                    help=f"wall-clock budget; points left after it are reported skipped (default {GPU_BUDGET_S:g})")
+    p.add_argument("--warmup-workers", type=int, default=None,
+                   help=f"parallel JIT warm-up processes before timing (default: one per family and config, at most "
+                        f"{MAX_WARMUP_WORKERS}, on a GPU; 0 in the CPU smoke mode)")
+    p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)  # a warm-up process
     return p
 
 
@@ -48,13 +66,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks import families
     from benchmarks import report as report_mod
-    from benchmarks.roofline import measure
+    from benchmarks.roofline import Roofline, measure
     from benchmarks.suite import Env, Runner
     from benchmarks.targets import evaluate, reference_points
     from benchmarks.timing import Timer
     from optimized.backends import detect
     from reference.config import get_config
 
+    started = time.perf_counter()
     fams = families()
     known = {f.name for f in fams} | {op.name for f in fams for op in f.ops}
     ops = {s.strip() for s in args.ops.split(",") if s.strip()} or None
@@ -68,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         configs = [get_config(name) for name in names]
         if args.runs < 1:
             raise ValueError(f"--runs: expected >= 1, got {args.runs}")
+        if args.warmup_workers is not None and args.warmup_workers < 0:
+            raise ValueError(f"--warmup-workers: expected >= 0, got {args.warmup_workers}")
     except ValueError as exc:
         print(f"dsv4-bench: {exc}", file=sys.stderr)
         return 2
@@ -76,14 +97,25 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cpu" if smoke else "cuda"
     hw = detect()
+    envs = [Env(cfg, device, fmt=hw.fp8_format, smoke=smoke) for cfg in configs]
+    if args.warm_only:
+        # A warm-up process: every Triton / DeepGEMM candidate once; no ceilings, no timings, no report.
+        runner = Runner(Timer(device, single_call=True), Roofline(1.0, 1.0, 1.0), warm_only=True)
+        results = runner.run(fams, envs, ops, tokens)
+        return 1 if any(r.status == "error" for r in results) else 0
+
+    workers = args.warmup_workers if args.warmup_workers is not None else (0 if smoke else MAX_WARMUP_WORKERS)
+    if workers:
+        jobs = [(f.name, cfg.name, _family_ops(f, ops)) for cfg in configs for f in fams if _family_ops(f, ops)]
+        warm_up(jobs, workers=workers, tokens=args.tokens, cpu_smoke=smoke, timeout_s=WARMUP_SHARE * args.budget_s)
+
     timer = Timer(device, max_runs=args.runs, single_call=smoke)
-    started = time.perf_counter()
     roofline = measure(timer, smoke=smoke)
     print(f"[bench] ceilings: bf16 {roofline.bf16_flops / 1e12:.1f} TFLOP/s, FP8 {roofline.fp8_flops / 1e12:.1f} "
           f"TFLOP/s{' (' + roofline.fp8_note + ')' if roofline.fp8_note else ''}, copy "
           f"{roofline.copy_bytes / 1e12:.2f} TB/s" + (" (smoke: not a measurement)" if smoke else ""))
-    runner = Runner(timer, roofline, reference_points(), budget_s=float("inf") if smoke else args.budget_s)
-    envs = [Env(cfg, device, fmt=hw.fp8_format, smoke=smoke) for cfg in configs]
+    budget = float("inf") if smoke else args.budget_s - (time.perf_counter() - started)
+    runner = Runner(timer, roofline, reference_points(), budget_s=budget)
     results = runner.run(fams, envs, ops, tokens)
     verdicts = evaluate(results, roofline)
     command = "dsv4-bench" + ("" if not argv else " " + " ".join(argv))
@@ -97,6 +129,51 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench] {len(results)} results, {len(errors)} errors, {time.perf_counter() - started:.0f} s; wrote "
           + ", ".join(str(p) for p in paths))
     return 1 if errors else 0
+
+
+def _family_ops(family, ops: set[str] | None) -> str:
+    """The `--ops` value selecting `family`'s part of the selection `ops` ("" when none of it is selected)."""
+    if ops is None or family.name in ops:
+        return family.name
+    return ",".join(op.name for op in family.ops if op.name in ops)
+
+
+def warm_up(jobs: list[tuple[str, str, str]], *, workers: int, tokens: str, cpu_smoke: bool, timeout_s: float) -> None:
+    """Run `dsv4-bench --warm-only` for every (family, config, ops) job, `workers` at a time, within `timeout_s`."""
+    logs = Path(tempfile.mkdtemp(prefix="dsv4-bench-warmup-"))
+    package_root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
+    started = time.perf_counter()
+    pending = list(jobs)
+    running: list[tuple[str, subprocess.Popen, IO[str], float]] = []
+    print(f"[warm-up] {len(jobs)} JIT warm-up processes, {workers} at a time (logs in {logs})")
+    while pending or running:
+        while pending and len(running) < workers:
+            family, config, selection = pending.pop(0)
+            cmd = [sys.executable, "-m", "benchmarks", "--warm-only", "--ops", selection, "--config", config]
+            cmd += ["--tokens", tokens] if tokens else []
+            cmd += ["--cpu-smoke"] if cpu_smoke else []
+            log = (logs / f"{family}-{config}.log").open("w")
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running.append((f"{family}/{config}", proc, log, time.perf_counter()))
+        time.sleep(0.2)
+        out_of_time = time.perf_counter() - started > timeout_s
+        for job in list(running):
+            name, proc, log, t0 = job
+            if proc.poll() is None and not out_of_time:
+                continue
+            if proc.poll() is None:  # past the warm-up share of the budget: the timed phase compiles the rest
+                proc.kill()
+                proc.wait()
+            log.close()
+            running.remove(job)
+            status = "done" if proc.returncode == 0 else f"exit {proc.returncode}"
+            print(f"[warm-up] {name}: {status} after {time.perf_counter() - t0:.0f} s")
+        if out_of_time:
+            for family, config, _ in pending:
+                print(f"[warm-up] {family}/{config}: not started (warm-up time of {timeout_s:.0f} s spent)")
+            pending.clear()
+    print(f"[warm-up] {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

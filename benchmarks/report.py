@@ -96,7 +96,7 @@ def markdown(*, env: dict[str, Any], roofline: Roofline, families: Sequence[Fami
                   f"accumulation **{fp8}**; device-to-device copy (bytes read + written) "
                   f"**{roofline.copy_bytes / 1e12:.2f} TB/s**.", ""]
     lines += [
-        "How to read the tables: *time* is the median of up to 20 warm runs (or ~100 ms of runs), each timed with CUDA "
+        "How to read the tables: *time* is the median of up to 20 warm runs (or ~50 ms of runs), each timed with CUDA "
         "events after a 256 MB write that flushes the L2; the first call (JIT compilation) is not in it. *TFLOP/s* "
         "and *GB/s* come from work counted from the shapes (useful FLOP; every input read once, every output written "
         "once), not from what a kernel happens to move. *roofline* = roofline floor / time, the floor being "
@@ -105,7 +105,8 @@ def markdown(*, env: dict[str, Any], roofline: Roofline, families: Sequence[Fami
         "(baselines in italics; variants = a backend forced onto one internal path). "
         "The fastest candidate of each point is in bold. Candidates that cannot run here are listed under each "
         "table with the reason; the reference is skipped at token counts past the one where a call took over 2 s, "
-        "except where a target needs it.", ""]
+        "except where a target needs it, and a reference call over 0.5 s is reported from that single call "
+        "(marked *cold*: an upper bound).", ""]
     lines += _targets(verdicts)
     lines += ["## Results", ""]
     for family in families:

@@ -41,6 +41,10 @@ SMOKE_TOKENS = (16,)
 SMOKE_DECODE_TOKENS = (1, 16)
 # The eager reference is skipped at larger token counts once one call takes longer than this.
 REF_SLOW_S = 2.0
+# A reference call slower than this is timed by its one (warm-up) call alone, flagged "cold".
+REF_COLD_S = 0.5
+# Exceptions by which a candidate's setup says "not supported here" (n/a); any other exception is an error.
+UNSUPPORTED = (ValueError, RuntimeError, NotImplementedError)
 BACKEND_NAMES = ("reference", "triton", "deepgemm")
 
 # Candidate kinds: a backend of the public API; a baseline (what a user would call without this package); a
@@ -100,13 +104,14 @@ class Candidate:
     Attributes:
         name: backend name (`reference`, `triton`, `deepgemm`) or baseline label.
         kind: `BACKEND`, `BASELINE` or `VARIANT`.
-        fn: the zero-argument call to time, or None when `na` says why it cannot run.
-        na: the reason it cannot run here.
+        build: prepares the zero-argument call to time (run by the runner just before timing it, so a skipped
+            candidate costs nothing); raising one of `UNSUPPORTED` makes the candidate n/a with the message.
+        na: the reason it cannot run here (then `build` is None).
     """
 
     name: str
     kind: str
-    fn: Callable[[], object] | None = None
+    build: Callable[[], Callable[[], object]] | None = None
     na: str | None = None
 
 
@@ -220,10 +225,7 @@ def backend_candidates(op: str | tuple[str, ...], call: Callable[[str], Callable
         elif not ok:
             out.append(Candidate(name, BACKEND, na=why))
         else:
-            try:
-                out.append(Candidate(name, BACKEND, fn=call(name)))
-            except Exception as exc:  # a setup that fails is reported per candidate
-                out.append(Candidate(name, BACKEND, na=f"setup failed: {_describe(exc)}"))
+            out.append(Candidate(name, BACKEND, build=lambda name=name: call(name)))
     return out
 
 
@@ -235,12 +237,8 @@ def implemented(op: str) -> bool:
 
 
 def baseline(name: str, build: Callable[[], Callable[[], object]], kind: str = BASELINE) -> Candidate:
-    """A baseline (or variant) candidate whose call `build()` prepares; a failure to prepare makes it n/a with
-    the reason."""
-    try:
-        return Candidate(name, kind, fn=build())
-    except Exception as exc:
-        return Candidate(name, kind, na=_describe(exc))
+    """A baseline (or variant) candidate whose call `build()` prepares (checked against an oracle there)."""
+    return Candidate(name, kind, build=build)
 
 
 def _describe(exc: BaseException) -> str:
@@ -262,6 +260,8 @@ class Runner:
         roofline: the ceilings measured in this run.
         reference_points: (op, config, tokens) where the reference is timed whatever it costs.
         budget_s: wall-clock budget of the whole run; points left after it are reported as skipped.
+        warm_only: call every backend and variant once (JIT compilation into the on-disk caches) and skip the
+            reference and the baselines; used by the parallel warm-up processes of `dsv4-bench`.
         log: progress printer.
     """
 
@@ -269,6 +269,7 @@ class Runner:
     roofline: Roofline
     reference_points: frozenset[tuple[str, str, int]] = frozenset()
     budget_s: float = float("inf")
+    warm_only: bool = False
     log: Callable[[str], None] = print
     results: list[Result] = field(default_factory=list)
     family_seconds: dict[str, float] = field(default_factory=dict)
@@ -336,8 +337,10 @@ class Runner:
                          flops=point.work.flops, bytes=point.work.bytes, weight_bytes=point.work.weight_bytes,
                          math=point.work.math, bound=self.roofline.bound(point.work), note=point.note)
             is_ref = cand.name == "reference" and cand.kind == BACKEND
-            if cand.fn is None:
+            if cand.build is None:
                 res.status, res.reason = "n/a", cand.na or "unavailable"
+            elif self.warm_only and (is_ref or cand.kind == BASELINE):
+                res.status, res.reason = "skipped", "warm-up run: JIT kernels only"
             elif is_ref and slow_ref is not None and (op.name, cfg, tokens) not in self.reference_points:
                 res.status = "skipped"
                 res.reason = (f"reference took {slow_ref[1]:.1f} s per call at T={slow_ref[0]} (> {REF_SLOW_S:g} s); "
@@ -355,10 +358,23 @@ class Runner:
         return slow_ref
 
     def _measure(self, cand: Candidate, res: Result, work: Work) -> None:
-        assert cand.fn is not None
+        assert cand.build is not None
         is_ref = cand.name == "reference" and cand.kind == BACKEND
         try:
-            timing = self.timer.time(cand.fn, slow_s=REF_SLOW_S if is_ref else None)
+            fn = cand.build()
+        except UNSUPPORTED as exc:
+            res.status, res.reason = "n/a", (f"setup failed: {_describe(exc)}" if cand.kind == BACKEND
+                                             else _describe(exc))
+            self._free()
+            return
+        except Exception as exc:
+            res.status, res.reason = "error", f"setup raised {_describe(exc)}"
+            where = f"{res.op}/{res.config}/T={res.tokens}/{cand.name}"
+            self.log(f"[bench] {where} setup raised:\n{traceback.format_exc()}")
+            self._free()
+            return
+        try:
+            timing = self.timer.time(fn, slow_s=REF_COLD_S if is_ref else None)
         except torch.cuda.OutOfMemoryError as exc:
             res.status = "error" if cand.kind == BACKEND and not is_ref else "n/a"
             res.reason = f"out of GPU memory ({_describe(exc)[:120]})"

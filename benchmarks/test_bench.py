@@ -105,6 +105,15 @@ def test_cli_rejects_unknown_ops_with_exit_code_2() -> None:
     assert main(["--cpu-smoke", "--ops", "no_such_op"]) == 2
 
 
+def test_cli_warm_up_processes_run_before_the_timed_phase(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from benchmarks.__main__ import main
+
+    assert main(["--cpu-smoke", "--warmup-workers", "2", "--ops", "indexer_topk,route", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "[warm-up] attention/TINY: done" in out and "[warm-up] moe/TINY: done" in out
+    assert out.index("[warm-up]") < out.index("[bench] ceilings")
+
+
 # ------------------------------------------------------------------------------------------------
 # Runner, roofline and target rules on synthetic timings
 # ------------------------------------------------------------------------------------------------
@@ -143,8 +152,8 @@ def _env() -> Env:
 
 def test_runner_skips_a_slow_reference_at_larger_token_counts_except_target_points() -> None:
     timer = ScriptedTimer({"reference": REF_SLOW_S * 2, "triton": 1e-3})
-    cands = lambda: [Candidate("reference", BACKEND, fn=lambda: "reference"),
-                     Candidate("triton", BACKEND, fn=lambda: "triton")]
+    cands = lambda: [Candidate("reference", BACKEND, build=lambda: lambda: "reference"),
+                     Candidate("triton", BACKEND, build=lambda: lambda: "triton")]
     runner = Runner(timer, ROOF, reference_points=frozenset({("op", "TINY", 4)}), log=lambda s: None)
     results = runner.run([_family(cands)], [_env()])
     ref = {r.tokens: r for r in results if r.candidate == "reference"}
@@ -159,11 +168,11 @@ def test_runner_reports_na_and_errors_and_computes_speedups() -> None:
         raise RuntimeError("kernel exploded")
 
     timer = ScriptedTimer({"reference": 1.0, "triton": 0.01, "torch bf16": 0.02})
-    cands = lambda: [Candidate("reference", BACKEND, fn=lambda: "reference"),
-                     Candidate("triton", BACKEND, fn=lambda: "triton"),
+    cands = lambda: [Candidate("reference", BACKEND, build=lambda: lambda: "reference"),
+                     Candidate("triton", BACKEND, build=lambda: lambda: "triton"),
                      Candidate("deepgemm", BACKEND, na="no GPU"),
-                     Candidate("torch bf16", BASELINE, fn=lambda: "torch bf16"),
-                     Candidate("broken", BASELINE, fn=boom)]
+                     Candidate("torch bf16", BASELINE, build=lambda: lambda: "torch bf16"),
+                     Candidate("broken", BASELINE, build=lambda: boom)]
     results = Runner(timer, ROOF, log=lambda s: None).run([_family(cands)], [_env()], tokens=(1,))
     by = {r.candidate: r for r in results}
     assert by["deepgemm"].status == "n/a" and by["deepgemm"].reason == "no GPU"
@@ -175,9 +184,20 @@ def test_runner_reports_na_and_errors_and_computes_speedups() -> None:
     assert by["triton"].tflops == pytest.approx(200.0)
 
 
+def test_warm_up_runner_calls_each_kernel_candidate_once_and_skips_reference_and_baselines() -> None:
+    timer = ScriptedTimer({"triton": 1e-3, "deepgemm": 1e-3})
+    cands = lambda: [Candidate("reference", BACKEND, build=lambda: lambda: "reference"),
+                     Candidate("triton", BACKEND, build=lambda: lambda: "triton"),
+                     Candidate("deepgemm", BACKEND, build=lambda: lambda: "deepgemm"),
+                     Candidate("torch bf16", BASELINE, build=lambda: lambda: "torch bf16")]
+    results = Runner(timer, ROOF, warm_only=True, log=lambda s: None).run([_family(cands)], [_env()], tokens=(1,))
+    assert timer.calls == ["triton", "deepgemm"]
+    assert {r.candidate for r in results if r.status == "skipped"} == {"reference", "torch bf16"}
+
+
 def test_runner_reports_points_past_the_budget_as_skipped() -> None:
     timer = ScriptedTimer({"triton": 1e-3})
-    cands = lambda: [Candidate("triton", BACKEND, fn=lambda: "triton")]
+    cands = lambda: [Candidate("triton", BACKEND, build=lambda: lambda: "triton")]
     results = Runner(timer, ROOF, budget_s=0.0, log=lambda s: None).run([_family(cands)], [_env()])
     assert results and all(r.status == "skipped" and "budget" in r.reason for r in results)
 
@@ -268,12 +288,12 @@ def _gpu_point(family_name: str, op_name: str, tokens: int) -> Point:
 def test_benchmark_flash(benchmark, family_name: str, op_name: str, tokens: int, backend: str) -> None:
     point = _gpu_point(family_name, op_name, tokens)
     cand = next(c for c in point.candidates if c.kind == BACKEND and c.name == backend)
-    if cand.fn is None:
+    if cand.build is None:
         pytest.skip(f"n/a: {cand.na}")
     if backend == "reference" and tokens > GPU_TOKENS[0]:
         pytest.skip("the eager reference is timed by dsv4-bench only (seconds per call at prefill sizes)")
     timer = Timer("cuda")
-    fn = cand.fn
+    fn = cand.build()
 
     def run() -> None:
         fn()
