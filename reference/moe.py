@@ -13,7 +13,9 @@ Per token `x` (bf16 `[D]`, the `ffn_norm` output):
 `experts(...)` is the MegaMoE boundary: it takes the routing result and does not route. Every linear is
 the block-FP8 (or FP8 x MXFP4) linear of `reference.linear`, with the activation quantization switched by
 `Numerics`. The loop over experts mirrors the official `MoE.forward`: experts that receive no token are
-never read, and the fp32 sum is accumulated expert by expert in ascending expert id.
+never read, and the fp32 sum is accumulated expert by expert in ascending expert id. Every matmul
+(router logits, expert linears) accumulates in fp64 and rounds once to fp32 (`reference.invariant`), so a
+token's result does not depend on which other tokens share the call or an expert.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 
 from reference.config import DSv4Config
 from reference.formats import E4M3FN, FP8Format, pack_fp4, quantize_fp4, quantize_per_block
+from reference.invariant import linear_fp32
 from reference.linear import act_quant_dequant
 from reference.numerics import OFFICIAL, Numerics
 from reference.weights import FP8_WEIGHT_BLOCK, Fp4Weight, Fp8Weight
@@ -258,7 +261,8 @@ def select_topk(keys: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def router_scores(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
-    """Unbiased expert scores `sqrt_softplus(x W_gate^T)`, logits in fp32 (official upcasts both operands).
+    """Unbiased expert scores `sqrt_softplus(x W_gate^T)`, logits in fp32 (official upcasts both operands;
+    here the sum is accumulated in fp64 and rounded once, so it is independent of the batch).
 
     Args:
         x: [T, D] bf16; gate_weight: [E, D].
@@ -266,7 +270,7 @@ def router_scores(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     Returns:
         [T, E] fp32.
     """
-    return sqrt_softplus(x.float() @ gate_weight.float().T)
+    return sqrt_softplus(linear_fp32(x, gate_weight))
 
 
 def route(
@@ -350,7 +354,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float) -> torch.T
 
 def _linear_fp32(x: torch.Tensor, weight: ExpertWeight, numerics: Numerics) -> torch.Tensor:
     """`fp8_linear` / `fp4_linear` (spec §2.5, §2.6) before their bf16 output cast: [n, K] bf16 -> [n, N] fp32."""
-    return act_quant_dequant(x, numerics) @ weight.dequantize().T
+    return linear_fp32(act_quant_dequant(x, numerics), weight.dequantize())
 
 
 def expert_forward(
