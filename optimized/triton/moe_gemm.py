@@ -1,0 +1,384 @@
+"""Triton grouped block-FP8 GEMMs of the MoE experts, with the SwiGLU + routing weight + FP8 quantization
+epilogue fused into the gate/up GEMM (spec §2.5, §5.2).
+
+`grouped_gemm` runs on the expert-sorted rows of `moe_permute.permute` (or, ungrouped, on the tokens
+themselves: the shared expert). One program = one BLOCK_M x BLOCK_N output tile of one expert:
+
+    for each K block:  partial = dot(A tile, W tile^T)   (FP8 x FP8 -> fp32)
+                       acc += partial * sa[row, kb] * sw[n // 128, k // 128]     (spec §2.5 promotion)
+
+with the K block = the activation quantization block (128 official, 32 MegaMoE numerics: each
+32-wide sub-block has its own activation scale, so it gets its own dot; spec-exact, not an
+approximation). With `numerics.act_quant` off (EXACT) the A operand is bf16 and the products are done
+in fp32 (`input_precision="ieee"`) with the dequantized weight.
+
+Gate/up GEMM (`swiglu=True`): each program computes the gate tile (w13 rows n) and the up tile (rows
+I + n) from the same A tile, then in registers (official order, `reference.moe.expert_forward`):
+gate/up -> bf16 (`gate_up_bf16`), g = min(gate, L), u = clamp(up, -L, L), a = silu(g) * u (fp32),
+a *= routing weight, a -> bf16, per-`act_block` UE8M0 FP8 quantization -> the down GEMM's A operand and
+its scales, written directly. Down GEMM (`swiglu=False`): bf16 output rows.
+
+`swiglu_quant` is the same epilogue as a kernel of its own, for DeepGEMM's grouped GEMMs (which write
+gate/up as bf16): it reads gate/up rows, writes FP8 rows and scales in DeepGEMM's MN-major layout.
+
+Rounding: FP8 values go through `round_to_fp8_grid` before the cast (the CPU interpreter would truncate);
+bf16 casts round to nearest even on GPUs and, through `prepare_interpreter`, in the interpreter.
+NaN: Triton's min/max drop NaN on GPUs, so the clamps propagate it explicitly, and a quantization block
+holding a NaN gets a NaN scale (its values are then NaN after dequantization, as in the reference,
+where the NaN stays in the FP8 value): a NaN token stays NaN through both GEMMs and no other row sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from optimized.triton._fp8 import fp8_constants, prepare_interpreter, round_to_fp8_grid, ue8m0_scale
+from optimized.triton.aot import AotSpec
+from optimized.triton.moe_permute import MoeLayout
+from reference.formats import ACT_EPS, FP8Format, fp8_format
+from reference.weights import FP8_WEIGHT_BLOCK
+
+WEIGHT_BLOCK = tl.constexpr(FP8_WEIGHT_BLOCK)  # weight scales: one per 128 x 128 tile
+EPS = tl.constexpr(ACT_EPS)  # amax floor of the activation quantization (official act_quant)
+# swiglu_quant tiles: slots x 128 channels (one quantization block).
+SWIGLU_BLOCK_S = 16
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiles of one grouped GEMM launch (BLOCK_M is also the permute alignment)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: bool = False) -> GemmConfig:
+    """Tiles by the mean number of rows an active expert gets (BLOCK_M is the same for both GEMMs of a call).
+
+    | rows / expert | GEMM    | BLOCK_M | BLOCK_N | warps | stages | why                                   |
+    |---------------|---------|---------|---------|-------|--------|---------------------------------------|
+    | <= 16         | gate/up | 16      | 128     | 4     | 2      | decode: smallest dot tile; the weight |
+    |               | down    | 16      | 64      | 4     | 3      | stream is the cost                    |
+    | > 16          | both    | 64      | 128     | 8     | 2      | compute-bound; 64 rows pad less per   |
+    |               |         |         |         |       |        | expert than 128 (E x 32 rows on avg.) |
+
+    The gate/up GEMM keeps BLOCK_N = 128: its epilogue quantizes whole 128-wide blocks, and it holds two
+    accumulators (gate and up), which is why its tiles stop at 64 x 128 per 8 warps. Every config compiles
+    without spills within gfx942's 64 KB of LDS and sm_90's registers (the AOT check). On the CPU
+    interpreter, where each program costs the same few hundred numpy calls whatever its size, the tiles
+    are as large as the shape allows: the arithmetic is the same, with fewer programs.
+    """
+    if interpret:
+        return GemmConfig(64 if rows_per_expert <= 64 else 128, min(n_out, 256), 4, 1)
+    if rows_per_expert <= 16:
+        return GemmConfig(16, 128, 4, 2) if swiglu else GemmConfig(16, 64, 4, 3)
+    return GemmConfig(64, 128, 8, 2)
+
+
+@triton.jit
+def _bf16(x):
+    """fp32 -> bf16 -> fp32: the official bf16 rounding points (ties to even)."""
+    return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _swiglu(gate, up, limit, weight, GATE_UP_BF16: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """`silu(min(gate, L)) * clamp(up, -L, L)` (* weight) in fp32 (spec §5.2; `reference.moe.swiglu`).
+
+    gate, up: [M, N] fp32; weight: [M] fp32 (HAS_WEIGHT); limit: L (+inf = no clamp).
+    """
+    if GATE_UP_BF16:
+        gate = _bf16(gate)
+        up = _bf16(up)
+    g = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
+    a = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
+    if HAS_WEIGHT:
+        a = a * weight[:, None]
+    return a
+
+
+@triton.jit
+def _quantize_rows(
+    a, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr,
+):
+    """Per-row, per-ACT_BLOCK UE8M0 FP8 quantization of a [BLOCK_M, BLOCK_N] fp32 tile (spec §2.3).
+
+    Returns the FP8 values (on the grid, fp32) and the [BLOCK_M, BLOCK_N / ACT_BLOCK] scales (NaN for a
+    block that holds a NaN).
+    """
+    blocks = tl.reshape(a, [BLOCK_M, BLOCK_N // ACT_BLOCK, ACT_BLOCK])
+    amax = tl.max(tl.abs(blocks), axis=2)
+    has_nan = tl.max((blocks != blocks).to(tl.int32), axis=2) > 0
+    scale = ue8m0_scale(amax, FP8_MAX, EPS)
+    q = round_to_fp8_grid(tl.div_rn(blocks, scale[:, :, None]), FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
+    return tl.reshape(q, [BLOCK_M, BLOCK_N]), tl.where(has_nan, float("nan"), scale)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
+    sorted_slot_ptr, row_expert_ptr, topk_w_ptr,
+    n_rows, limit,
+    stride_am, stride_asm, stride_ask,
+    stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+    stride_om, stride_osm, stride_osk,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr,
+    GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    A_FP8: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_BF16: tl.constexpr, ACT_BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr,
+):
+    """out[rows, n-tile] of one expert: load tiles, block-scaled accumulate, epilogue, store.
+
+    BLOCK_K = ACT_BLOCK for FP8 A (one activation scale per K step), 128 for bf16 A (one weight scale).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    weight = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # which expert, which rows are real, where their A rows are
+    if GROUPED:
+        expert = tl.load(row_expert_ptr + pid_m * BLOCK_M)
+        if expert < 0:  # a block past the last expert's segment
+            return
+        slot = tl.load(sorted_slot_ptr + rows)
+        valid = slot >= 0
+        if GATHER:
+            a_rows = slot // TOPK
+        else:
+            a_rows = rows
+        if HAS_WEIGHT:
+            weight = tl.load(topk_w_ptr + slot, mask=valid, other=0.0)
+    else:
+        expert = tl.full([], 0, tl.int32)
+        valid = rows < n_rows
+        a_rows = rows
+    a_rows = a_rows.to(tl.int64)
+
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    wg_ptrs = w_base + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    wu_ptrs = wg_ptrs + N * stride_wn  # up rows I + n (gate/up GEMM only)
+    ws_base = w_scale_ptr + expert * stride_wse
+    sg_ptrs = ws_base + (offs_n // WEIGHT_BLOCK) * stride_wsn
+    su_ptrs = ws_base + ((N + offs_n) // WEIGHT_BLOCK) * stride_wsn
+
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+        wg = tl.load(wg_ptrs + k0)
+        sg = tl.load(sg_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
+        if A_FP8:
+            sa = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // ACT_BLOCK) * stride_ask, mask=valid, other=0.0)
+            acc_g += tl.dot(a, wg) * sa[:, None] * sg[None, :]
+        else:  # EXACT: bf16 activation x the weight's FP8 values (exact in bf16); fp32 products and sums
+            acc_g += tl.dot(a, wg.to(tl.bfloat16)) * sg[None, :]
+        if SWIGLU:
+            wu = tl.load(wu_ptrs + k0)
+            su = tl.load(su_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
+            if A_FP8:
+                acc_u += tl.dot(a, wu) * sa[:, None] * su[None, :]
+            else:
+                acc_u += tl.dot(a, wu.to(tl.bfloat16)) * su[None, :]
+
+    out_rows = rows.to(tl.int64)
+    out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :]
+    if SWIGLU:
+        act = _bf16(_swiglu(acc_g, acc_u, limit, weight, GATE_UP_BF16, HAS_WEIGHT))  # a -> bf16
+        if OUT_FP8:
+            q, scale = _quantize_rows(act, BLOCK_M, BLOCK_N, ACT_BLOCK, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
+            tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+            kb = pid_n * (BLOCK_N // ACT_BLOCK) + tl.arange(0, BLOCK_N // ACT_BLOCK)
+            tl.store(out_scale_ptr + out_rows[:, None] * stride_osm + kb[None, :] * stride_osk, scale,
+                     mask=valid[:, None])
+        else:
+            tl.store(out_ptrs, act.to(tl.bfloat16), mask=valid[:, None])
+    else:
+        tl.store(out_ptrs, acc_g.to(tl.bfloat16), mask=valid[:, None])
+
+
+def grouped_gemm(
+    a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor, *,
+    layout: MoeLayout | None, config: GemmConfig, swiglu: bool, numerics_fmt: str | FP8Format,
+    act_block: int, topk: int = 1, gather: bool = False, topk_weights: torch.Tensor | None = None,
+    limit: float = float("inf"), gate_up_bf16: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One grouped (or, with `layout=None`, plain) block-FP8 GEMM launch; shapes are validated by the caller.
+
+    Args:
+        a: A operand: [T, K] token rows (`gather`: row of slot s is `s // topk`), or [n_rows, K] rows in
+            layout order; FP8 (with `a_scale` [.., K / act_block] fp32, any strides) or bf16 (EXACT, no scale).
+        w, w_scale: [E, 2N or N, K] FP8 and [E, ., K / 128] fp32 (E = 1 for the shared expert).
+        layout: expert-sorted rows from `permute(..., align=config.block_m)`; None: rows = a's rows, expert 0.
+        config: tiles.
+        swiglu: gate/up GEMM with the fused epilogue (output width N = w.shape[1] / 2), else down GEMM.
+        numerics_fmt: FP8 format of the epilogue's quantization (and of a, w).
+        act_block: activation quantization block (128 or 32).
+        topk: k, for `gather`.
+        topk_weights: [T * k] fp32 routing weights by slot (gate/up GEMM of routed experts), or None.
+        limit: SwiGLU clamp (+inf: none).
+        gate_up_bf16: round gate/up to bf16 before the clamp.
+
+    Returns:
+        out: gate/up: [rows, N] FP8 (bf16 when `a` is bf16); down: [rows, N] bf16.
+        out_scale: [rows, N / act_block] fp32 (gate/up with FP8 output), else None.
+    """
+    prepare_interpreter()
+    fmt = fp8_format(numerics_fmt)
+    a_fp8 = a.dtype == fmt.dtype
+    if layout is not None and layout.align != config.block_m:
+        raise ValueError(f"layout: rows aligned to {layout.align}, but the GEMM's BLOCK_M is {config.block_m}")
+    n_rows = layout.n_rows if layout is not None else a.shape[0]
+    k_dim = w.shape[2]
+    n_out = w.shape[1] // 2 if swiglu else w.shape[1]
+    out_fp8 = swiglu and a_fp8
+    out = torch.empty((n_rows, n_out), dtype=fmt.dtype if out_fp8 else torch.bfloat16, device=a.device)
+    out_scale = (torch.empty((n_rows, n_out // act_block), dtype=torch.float32, device=a.device)
+                 if out_fp8 else None)
+    if n_rows == 0:
+        return out, out_scale
+    dummy = out
+    grid = (triton.cdiv(n_rows, config.block_m), n_out // config.block_n)
+    _grouped_gemm_kernel[grid](
+        a, a_scale if a_fp8 else dummy, w, w_scale, out, out_scale if out_fp8 else dummy,
+        layout.sorted_slot if layout is not None else dummy, layout.row_expert if layout is not None else dummy,
+        topk_weights if topk_weights is not None else dummy,
+        n_rows, float(limit),
+        a.stride(0), a_scale.stride(0) if a_fp8 else 0, a_scale.stride(1) if a_fp8 else 0,
+        w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
+        out.stride(0), out_scale.stride(0) if out_fp8 else 0, out_scale.stride(1) if out_fp8 else 0,
+        K=k_dim, N=n_out, TOPK=topk, GROUPED=layout is not None, GATHER=gather, SWIGLU=swiglu,
+        HAS_WEIGHT=topk_weights is not None, A_FP8=a_fp8, OUT_FP8=out_fp8, GATE_UP_BF16=gate_up_bf16,
+        ACT_BLOCK=act_block, BLOCK_K=act_block if a_fp8 else FP8_WEIGHT_BLOCK, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, **fp8_constants(fmt),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out, out_scale
+
+
+@triton.jit
+def _swiglu_quant_kernel(
+    h_ptr, slot_row_ptr, topk_w_ptr, out_ptr, out_scale_ptr,
+    n_slots, limit, rows_per_group,
+    stride_h, stride_o, stride_os_g, stride_os_m, stride_os_k,
+    N: tl.constexpr, GROUPED: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr,
+):
+    """For each slot's row: gate/up bf16 -> SwiGLU * weight -> bf16 -> FP8 + scale (MN-major, by group)."""
+    pid_s = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slots = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    weight = tl.zeros([BLOCK_S], dtype=tl.float32)
+    if GROUPED:
+        row = tl.load(slot_row_ptr + slots, mask=slots < n_slots, other=-1)
+        valid = row >= 0
+        weight = tl.load(topk_w_ptr + slots, mask=valid, other=0.0)
+    else:
+        row = slots
+        valid = slots < n_slots
+    row = row.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ptrs = h_ptr + row[:, None] * stride_h + cols[None, :]
+    gate = tl.load(h_ptrs, mask=valid[:, None], other=0.0).to(tl.float32)
+    up = tl.load(h_ptrs + N, mask=valid[:, None], other=0.0).to(tl.float32)
+    act = _bf16(_swiglu(gate, up, limit, weight, False, GROUPED))
+    q, scale = _quantize_rows(act, BLOCK_S, BLOCK_N, BLOCK_N, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
+    tl.store(out_ptr + row[:, None] * stride_o + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+    group = row // rows_per_group
+    s_ptrs = out_scale_ptr + group * stride_os_g + (row - group * rows_per_group) * stride_os_m + pid_n * stride_os_k
+    tl.store(s_ptrs[:, None], scale, mask=valid[:, None])
+
+
+def swiglu_quant(
+    h: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor, *, fmt: str | FP8Format, limit: float,
+    layout: MoeLayout | None = None, topk_weights: torch.Tensor | None = None,
+) -> None:
+    """The gate/up GEMM's epilogue as a kernel: bf16 gate | up rows -> FP8 down-projection input + scales.
+
+    Args:
+        h: [rows, 2N] bf16 (gate columns 0..N-1, up N..2N-1), contiguous last dim; with `layout` the rows
+            of the layout (the masked layout's [E, capacity, 2N] viewed as [E * capacity, 2N]).
+        out: [rows, N] FP8 (or [E, capacity, N]), written at the rows that hold a slot.
+        out_scale: [rows, N / 128] or [E, capacity, N / 128] fp32, any strides (DeepGEMM's MN-major).
+        fmt: FP8 format.
+        limit: SwiGLU clamp (+inf: none).
+        layout, topk_weights: routed experts: the slot -> row map and the [T * k] routing weights;
+            None: the shared expert (row = token, weight 1).
+    """
+    prepare_interpreter()
+    f = fp8_format(fmt)
+    n_half = h.shape[-1] // 2
+    n_slots = layout.slot_row.numel() if layout is not None else h.shape[0]
+    if n_slots == 0:
+        return
+    grouped = out_scale.dim() == 3
+    rows_per_group = out_scale.shape[1] if grouped else max(h.shape[0], 1)
+    s_strides = out_scale.stride() if grouped else (0, *out_scale.stride())
+    flat_out = out.reshape(-1, n_half)
+    grid = (triton.cdiv(n_slots, SWIGLU_BLOCK_S), n_half // FP8_WEIGHT_BLOCK)
+    _swiglu_quant_kernel[grid](
+        h, layout.slot_row if layout is not None else h, topk_weights if topk_weights is not None else h,
+        flat_out, out_scale, n_slots, float(limit), rows_per_group, h.stride(0), flat_out.stride(0), *s_strides,
+        N=n_half, GROUPED=layout is not None, BLOCK_S=SWIGLU_BLOCK_S, BLOCK_N=FP8_WEIGHT_BLOCK, **fp8_constants(f),
+    )
+
+
+def _gemm_signature(a: str) -> dict[str, str]:
+    return {
+        "a_ptr": a, "a_scale_ptr": "*fp32", "w_ptr": "*{fp8}", "w_scale_ptr": "*fp32", "out_ptr": "*{fp8}",
+        "out_scale_ptr": "*fp32", "sorted_slot_ptr": "*i32", "row_expert_ptr": "*i32", "topk_w_ptr": "*fp32",
+        "n_rows": "i32", "limit": "fp32",
+        **{k: "i32" for k in ("stride_am", "stride_asm", "stride_ask", "stride_we", "stride_wn", "stride_wse",
+                              "stride_wsn", "stride_wsk", "stride_om", "stride_osm", "stride_osk")},
+    }
+
+
+def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, grouped: bool,
+              act_block: int = 128) -> AotSpec:
+    signature = _gemm_signature("*{fp8}")
+    if not swiglu:
+        signature["out_ptr"] = "*bf16"
+    aligned = ("a_ptr", "a_scale_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "out_scale_ptr", "sorted_slot_ptr",
+               "row_expert_ptr", "topk_w_ptr", "stride_am", "stride_asm", "stride_we", "stride_wn", "stride_wse",
+               "stride_wsn", "stride_om", "stride_osm")
+    return AotSpec(
+        name, _grouped_gemm_kernel, signature,
+        {"K": k, "N": n, "TOPK": 6 if grouped else 1, "GROUPED": grouped, "GATHER": grouped and swiglu,
+         "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "OUT_FP8": swiglu, "GATE_UP_BF16": True,
+         "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n},
+        fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned,
+    )
+
+
+# FLASH shapes (D 4096, I 2048): decode and prefill tiles of both GEMMs, routed and shared.
+AOT_SPECS = [
+    *(
+        _aot_gemm(f"moe_gate_up[rows/expert={r}]", choose_config(r, 2048, True), 4096, 2048, True, True)
+        for r in (1, 128)
+    ),
+    *(
+        _aot_gemm(f"moe_down[rows/expert={r}]", choose_config(r, 4096, False), 2048, 4096, False, True)
+        for r in (1, 128)
+    ),
+    _aot_gemm("moe_shared_gate_up[T=4096]", choose_config(4096, 2048, True), 4096, 2048, True, False),
+    _aot_gemm("moe_gate_up[rows/expert=128,act_block=32]", choose_config(128, 2048, True), 4096, 2048, True, True, 32),
+    AotSpec(
+        "moe_swiglu_quant", _swiglu_quant_kernel,
+        {"h_ptr": "*bf16", "slot_row_ptr": "*i32", "topk_w_ptr": "*fp32", "out_ptr": "*{fp8}",
+         "out_scale_ptr": "*fp32", "n_slots": "i32", "limit": "fp32", "rows_per_group": "i32",
+         **{k: "i32" for k in ("stride_h", "stride_o", "stride_os_g", "stride_os_m", "stride_os_k")}},
+        {"N": 2048, "GROUPED": True, "BLOCK_S": SWIGLU_BLOCK_S, "BLOCK_N": FP8_WEIGHT_BLOCK},
+        fp8=True, aligned=("h_ptr", "slot_row_ptr", "topk_w_ptr", "out_ptr", "out_scale_ptr", "stride_h", "stride_o"),
+    ),
+]

@@ -1,0 +1,134 @@
+"""The Triton backend of the MoE ops (spec §5): `route`, `experts`, `moe`, built from the kernels of
+`moe_routing`, `moe_permute`, `moe_gemm` and the activation quantization of `quant`.
+
+    route:    router_logits -> router_topk
+    experts:  act_quant(x) once per token -> permute -> gate/up GEMM (gathers token rows; SwiGLU, clamp,
+              routing weight and the FP8 quantization in its epilogue) -> down GEMM -> combine
+    moe:      route -> experts' rows + the shared expert (the same two GEMMs, ungrouped, on the same
+              quantized x) -> combine (the shared output added in fp32 before the one bf16 cast)
+
+Inputs are validated by `optimized.moe` (the public API) before these run; every function here
+returns without launching a kernel when T = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optimized.backends import detect
+from optimized.triton.moe_gemm import choose_config, grouped_gemm
+from optimized.triton.moe_permute import MoeLayout, combine, permute
+from optimized.triton.moe_routing import router_logits, router_topk
+from optimized.triton.quant import quantize_per_token
+from reference.config import DSv4Config
+from reference.moe import MoEWeights
+from reference.numerics import Numerics
+from reference.weights import Fp4Weight, Fp8Weight
+
+
+def clamp_limit(swiglu_limit: float) -> float:
+    """The SwiGLU clamp the kernels take: `swiglu_limit`, or +inf for `<= 0` (no clamp, as the reference)."""
+    return swiglu_limit if swiglu_limit > 0 else float("inf")
+
+
+def route(
+    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, *, token_ids: torch.Tensor | None,
+    tid2eid: torch.Tensor | None, cfg: DSv4Config,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.moe.route` in two Triton kernels: ids [T, k] int32, weights [T, k] fp32."""
+    k = cfg.n_activated_experts
+    if x.shape[0] == 0:
+        return (torch.empty((0, k), dtype=torch.int32, device=x.device),
+                torch.empty((0, k), dtype=torch.float32, device=x.device))
+    logits = router_logits(x, gate_weight)
+    return router_topk(logits, bias, topk=k, route_scale=cfg.route_scale,
+                       token_ids=token_ids if tid2eid is not None else None, tid2eid=tid2eid)
+
+
+def activation(x: torch.Tensor, numerics: Numerics, scale_layout: str = "row_major") -> tuple[torch.Tensor,
+                                                                                             torch.Tensor | None]:
+    """The experts' A operand: `act_quant(x, act_block)` (FP8 + scales), or x itself (bf16) in EXACT numerics."""
+    if not numerics.act_quant:
+        return x, None
+    return quantize_per_token(x, numerics.act_block, numerics.fp8_format, scale_layout=scale_layout)
+
+
+def routed_rows(
+    a: torch.Tensor, a_scale: torch.Tensor | None, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    w13: Fp8Weight, w2: Fp8Weight, *, swiglu_limit: float, numerics: Numerics,
+) -> tuple[torch.Tensor, MoeLayout]:
+    """The routed experts' outputs, one bf16 row per (token, slot) in the expert-sorted layout.
+
+    Args:
+        a, a_scale: the activation of `activation(x)`.
+        topk_ids: [T, k] int32 contiguous; topk_weights: [T, k] fp32 contiguous.
+        w13, w2: [E, 2I, D] and [E, D, I] FP8 experts in `numerics.fp8_format`.
+
+    Returns:
+        y [n_rows, D] bf16 and the layout that maps slots to its rows.
+    """
+    n_tokens, topk = topk_ids.shape
+    n_experts = w13.data.shape[0]
+    n_slots = n_tokens * topk
+    rows_per_expert = n_slots / max(min(n_experts, n_slots), 1)
+    interpret = detect().interpret
+    gate_up = choose_config(rows_per_expert, w13.data.shape[1] // 2, swiglu=True, interpret=interpret)
+    down = choose_config(rows_per_expert, w2.data.shape[1], swiglu=False, interpret=interpret)
+    layout = permute(topk_ids, n_experts, align=gate_up.block_m)
+    common = {"layout": layout, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
+    h, h_scale = grouped_gemm(a, a_scale, w13.data, w13.scale, config=gate_up, swiglu=True, topk=topk, gather=True,
+                              topk_weights=topk_weights.reshape(-1), limit=clamp_limit(swiglu_limit),
+                              gate_up_bf16=numerics.gate_up_bf16, **common)
+    y, _ = grouped_gemm(h, h_scale, w2.data, w2.scale, config=down, swiglu=False, **common)
+    return y, layout
+
+
+def shared_rows(
+    a: torch.Tensor, a_scale: torch.Tensor | None, w13: Fp8Weight, w2: Fp8Weight, *, swiglu_limit: float,
+    numerics: Numerics,
+) -> torch.Tensor:
+    """The shared expert (`reference.moe.shared_expert`) on the quantized tokens: [T, D] bf16."""
+    n_tokens = a.shape[0]
+    limit = clamp_limit(swiglu_limit if numerics.shared_expert_clamp else 0.0)
+    common = {"layout": None, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
+    interpret = detect().interpret
+    gate_up = choose_config(n_tokens, w13.data.shape[0] // 2, swiglu=True, interpret=interpret)
+    down = choose_config(n_tokens, w2.data.shape[0], swiglu=False, interpret=interpret)
+    h, h_scale = grouped_gemm(a, a_scale, w13.data[None], w13.scale[None], config=gate_up, swiglu=True, limit=limit,
+                              gate_up_bf16=numerics.gate_up_bf16, **common)
+    y, _ = grouped_gemm(h, h_scale, w2.data[None], w2.scale[None], config=down, swiglu=False, **common)
+    return y
+
+
+def experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: Fp8Weight | Fp4Weight,
+    w2: Fp8Weight | Fp4Weight, *, swiglu_limit: float, numerics: Numerics,
+) -> torch.Tensor:
+    """`reference.moe.experts` on Triton kernels: [T, D] bf16."""
+    from optimized.moe import fp8_experts
+
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    w13, w2 = fp8_experts(w13, w2, numerics.fp8_format)
+    ids = topk_ids.to(torch.int32).contiguous()
+    a, a_scale = activation(x, numerics)
+    y, layout = routed_rows(a, a_scale, ids, topk_weights.float().contiguous(), w13, w2,
+                            swiglu_limit=swiglu_limit, numerics=numerics)
+    return combine(y, layout, ids)
+
+
+def moe(
+    x: torch.Tensor, weights: MoEWeights, *, token_ids: torch.Tensor | None, cfg: DSv4Config, numerics: Numerics,
+) -> torch.Tensor:
+    """`reference.moe.moe` on Triton kernels: route, routed experts, shared expert; [T, D] bf16."""
+    from optimized.moe import fp8_experts
+
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    w13, w2 = fp8_experts(weights.w13, weights.w2, numerics.fp8_format)
+    ids, topk_weights = route(x, weights.gate, weights.bias, token_ids=token_ids, tid2eid=weights.tid2eid, cfg=cfg)
+    a, a_scale = activation(x, numerics)
+    y, layout = routed_rows(a, a_scale, ids, topk_weights, w13, w2, swiglu_limit=cfg.swiglu_limit, numerics=numerics)
+    shared = shared_rows(a, a_scale, weights.shared_w13, weights.shared_w2, swiglu_limit=cfg.swiglu_limit,
+                         numerics=numerics)
+    return combine(y, layout, ids, shared)

@@ -1,0 +1,244 @@
+"""Triton kernels of the MoE router (spec §5.1): fp32 logits, sqrtsoftplus, top-k selection, weights.
+
+Two kernels:
+  * `_router_logits_kernel` — `l = x W_gate^T` with fp32 accumulation. x and W_gate are bf16, so every
+    product is exact in fp32 (8 + 8 significant bits) and a bf16 x bf16 -> fp32 `tl.dot` computes the
+    official "upcast both to fp32, then matmul" up to the fp32 summation order. For few tokens (decode)
+    the hidden dim is split over programs (`n_split` partial sums, added in a fixed order by the next
+    kernel: deterministic, no atomics), so the gate weight streams over many SMs.
+  * `_router_topk_kernel` — per token: `s = sqrt(softplus(l))`, select the top-k of `s + bias` (ties ->
+    lower expert id, as `reference.moe.route`), or take `tid2eid[token_id]` on hash layers; weights are
+    the selected *unbiased* scores over their sum, times `route_scale`.
+
+Invalid inputs that cannot be checked without a device sync (a token id outside the vocabulary, a
+`tid2eid` entry outside [0, E)) give the id -1 and a NaN weight, so the MoE output of that token is NaN
+instead of a silent out-of-bounds access.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from optimized.backends import detect
+from optimized.triton._fp8 import prepare_interpreter
+from optimized.triton.aot import AotSpec
+
+# Logits GEMM tiles: 16 tokens is the smallest `tl.dot` M; 128 experts per program; 128 hidden dims per
+# step. Target ~2 programs per SM for the weight stream when the token count is small.
+LOGITS_BLOCK_T = 16
+LOGITS_BLOCK_E = 128
+LOGITS_BLOCK_D = 128
+LOGITS_TARGET_PROGRAMS = 256
+# Tokens per top-k program (each holds a [BLOCK_T, next_pow2(E)] fp32 tile).
+TOPK_BLOCK_T = 4
+# On the CPU interpreter a program costs the same numpy calls whatever its size: few, large programs.
+INTERPRET_BLOCK_T = 64
+# Below this logit, softplus(l) = log1p(e^l) equals e^l to fp32 precision, and the score is computed as
+# e^(l/2), which stays a normal fp32 number down to l ~ -174 (`reference.moe.SOFTPLUS_TAIL`, same switch).
+SOFTPLUS_TAIL = tl.constexpr(-20.0)
+
+
+@triton.jit
+def _sqrt_softplus(logit):
+    """`sqrt(softplus(l))` in fp32 for every logit (`reference.moe.sqrt_softplus`): `e^(l/2)` below -20,
+    else `sqrt(max(l, 0) + log1p(e^-|l|))`.
+
+    log1p(e) for e in (0, 1] is `e * log(1 + e) / ((1 + e) - 1)` (Goldberg): accurate to a few ulp where
+    `log(1 + e)` alone would round `1 + e` to 1 and return 0. Above l = 20 the log1p term is below half an
+    ulp of l, so the score is sqrt(l), as torch's softplus threshold gives.
+    """
+    e = tl.exp(-tl.abs(logit))
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * tl.div_rn(e, u - 1.0))
+    score = tl.sqrt_rn(tl.maximum(logit, 0.0) + log1p)
+    return tl.where(logit < SOFTPLUS_TAIL, tl.exp(0.5 * tl.minimum(logit, SOFTPLUS_TAIL)), score)
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr, w_ptr, out_ptr,
+    n_tokens, n_experts,
+    stride_xt, stride_we, stride_os, stride_ot,
+    D_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out[split, t, e] = sum over the split's hidden dims of x[t, d] * w[e, d] (fp32)."""
+    pid_t = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_d = tl.arange(0, BLOCK_D)
+    t_ok = offs_t < n_tokens
+    e_ok = offs_e < n_experts
+    x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt
+    w_cols = w_ptr + offs_e.to(tl.int64)[None, :] * stride_we
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    d_start = pid_s * D_PER_SPLIT
+    for step in range(0, D_PER_SPLIT, BLOCK_D):
+        d0 = d_start + step
+        # load tile, accumulate (bf16 products are exact in fp32)
+        x = tl.load(x_rows + (d0 + offs_d)[None, :], mask=t_ok[:, None], other=0.0)
+        w = tl.load(w_cols + (d0 + offs_d)[:, None], mask=e_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc)
+    out = out_ptr + pid_s * stride_os + offs_t[:, None] * stride_ot + offs_e[None, :]
+    tl.store(out, acc, mask=t_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def _router_topk_kernel(
+    logits_ptr, bias_ptr, token_ids_ptr, tid2eid_ptr, ids_ptr, weights_ptr,
+    n_tokens, n_experts, vocab_size, route_scale,
+    stride_ls, stride_lt, stride_hash,
+    N_SPLIT: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
+):
+    """ids[t, j], weights[t, j] for j < TOPK (spec §5.1)."""
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, E_PAD)
+    t_ok = offs_t < n_tokens
+    e_ok = offs_e < n_experts
+    ok = t_ok[:, None] & e_ok[None, :]
+
+    # logits: the split partial sums, added in a fixed order
+    ptrs = logits_ptr + offs_t[:, None] * stride_lt + offs_e[None, :]
+    logit = tl.load(ptrs, mask=ok, other=0.0)
+    for s in tl.static_range(1, N_SPLIT):
+        logit += tl.load(ptrs + s * stride_ls, mask=ok, other=0.0)
+    score = _sqrt_softplus(logit)
+
+    if HASH:
+        token = tl.load(token_ids_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)
+        token_ok = (token >= 0) & (token < vocab_size)
+    else:
+        selection = score
+        if HAS_BIAS:
+            selection += tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0)[None, :]
+        # NaN never wins: a NaN token takes the lowest free ids, and its NaN weights keep its output NaN
+        selection = tl.where(selection != selection, float("-inf"), selection)
+        free = ok
+
+    offs_k = tl.arange(0, K_PAD)
+    chosen_id = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
+    chosen_score = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        if HASH:
+            eid = tl.load(tid2eid_ptr + token * stride_hash + j, mask=t_ok & token_ok, other=-1).to(tl.int32)
+            eid = tl.where((eid >= 0) & (eid < n_experts), eid, -1)
+        else:
+            # top-1 of the free experts; ties -> lower expert id
+            best = tl.max(tl.where(free, selection, float("-inf")), axis=1)
+            candidate = free & (selection == best[:, None])
+            eid = tl.min(tl.where(candidate, offs_e[None, :], E_PAD), axis=1)
+            free = free & (offs_e[None, :] != eid[:, None])
+        hit = offs_e[None, :] == eid[:, None]
+        s_j = tl.sum(tl.where(hit, score, 0.0), axis=1)
+        s_j = tl.where(eid >= 0, s_j, float("nan"))
+        total += s_j  # sum of the selected unbiased scores, in selection order
+        chosen_id = tl.where(offs_k[None, :] == j, eid[:, None], chosen_id)
+        chosen_score = tl.where(offs_k[None, :] == j, s_j[:, None], chosen_score)
+
+    weight = tl.div_rn(chosen_score, total[:, None]) * route_scale
+    out = offs_t[:, None] * TOPK + offs_k[None, :]
+    store_ok = t_ok[:, None] & (offs_k[None, :] < TOPK)
+    tl.store(ids_ptr + out, chosen_id, mask=store_ok)
+    tl.store(weights_ptr + out, weight, mask=store_ok)
+
+
+def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | None = None) -> torch.Tensor:
+    """Partial fp32 router logits.
+
+    Args:
+        x: [T, D] bf16, contiguous rows.
+        gate_weight: [E, D] bf16, contiguous rows; D a multiple of `LOGITS_BLOCK_D`.
+        n_split: hidden-dim slices (a power of two dividing D / LOGITS_BLOCK_D); None: enough slices for
+            ~LOGITS_TARGET_PROGRAMS programs on a GPU, 1 on the CPU interpreter.
+
+    Returns:
+        [n_split, T, E] fp32 partial sums over `D / n_split` hidden dims each (sum them in order).
+    """
+    prepare_interpreter()
+    interpret = detect().interpret
+    n_tokens, dim = x.shape
+    n_experts = gate_weight.shape[0]
+    block_t = INTERPRET_BLOCK_T if interpret else LOGITS_BLOCK_T
+    t_blocks = triton.cdiv(n_tokens, block_t)
+    e_blocks = triton.cdiv(n_experts, LOGITS_BLOCK_E)
+    d_blocks = dim // LOGITS_BLOCK_D
+    if n_split is None:
+        n_split = 1
+        while (not interpret and n_split * 2 <= d_blocks and d_blocks % (n_split * 2) == 0
+               and t_blocks * e_blocks * n_split * 2 <= LOGITS_TARGET_PROGRAMS):
+            n_split *= 2
+    elif d_blocks % n_split:
+        raise ValueError(f"n_split: {n_split} does not divide the {d_blocks} hidden-dim blocks of {LOGITS_BLOCK_D}")
+    out = torch.empty((n_split, n_tokens, n_experts), dtype=torch.float32, device=x.device)
+    _router_logits_kernel[(t_blocks, e_blocks, n_split)](
+        x, gate_weight, out, n_tokens, n_experts,
+        x.stride(0), gate_weight.stride(0), out.stride(0), out.stride(1),
+        D_PER_SPLIT=dim // n_split, BLOCK_T=block_t, BLOCK_E=LOGITS_BLOCK_E, BLOCK_D=LOGITS_BLOCK_D,
+    )
+    return out
+
+
+def router_topk(
+    logits: torch.Tensor, bias: torch.Tensor | None, *, topk: int, route_scale: float,
+    token_ids: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert selection and weights from (partial) fp32 logits.
+
+    Args:
+        logits: [n_split, T, E] fp32 (from `router_logits`; [1, T, E] for plain logits), last dim contiguous.
+        bias: [E] fp32 selection bias, or None. Ignored on hash layers (`tid2eid` given).
+        topk: experts per token (k).
+        route_scale: the weights' final factor.
+        token_ids: [T] int32/int64, hash layers only.
+        tid2eid: [vocab, k] int32/int64 with contiguous rows, hash layers only.
+
+    Returns:
+        ids [T, k] int32 and weights [T, k] fp32.
+    """
+    prepare_interpreter()
+    n_split, n_tokens, n_experts = logits.shape
+    ids = torch.empty((n_tokens, topk), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((n_tokens, topk), dtype=torch.float32, device=logits.device)
+    hashed = tid2eid is not None
+    dummy = logits  # never read when the matching constexpr is off
+    block_t = INTERPRET_BLOCK_T if detect().interpret else TOPK_BLOCK_T
+    _router_topk_kernel[(triton.cdiv(n_tokens, block_t),)](
+        logits, bias if bias is not None else dummy, token_ids if hashed else dummy,
+        tid2eid if hashed else dummy, ids, weights,
+        n_tokens, n_experts, tid2eid.shape[0] if hashed else 0, float(route_scale),
+        logits.stride(0), logits.stride(1), tid2eid.stride(0) if hashed else 0,
+        N_SPLIT=n_split, TOPK=topk, K_PAD=triton.next_power_of_2(topk), BLOCK_T=block_t,
+        E_PAD=triton.next_power_of_2(n_experts), HAS_BIAS=bias is not None and not hashed, HASH=hashed,
+    )
+    return ids, weights
+
+
+AOT_SPECS = [
+    AotSpec(
+        "router_logits", _router_logits_kernel,
+        {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
+         "stride_xt": "i32", "stride_we": "i32", "stride_os": "i32", "stride_ot": "i32"},
+        {"D_PER_SPLIT": 4096, "BLOCK_T": LOGITS_BLOCK_T, "BLOCK_E": LOGITS_BLOCK_E, "BLOCK_D": LOGITS_BLOCK_D},
+        aligned=("x_ptr", "w_ptr", "out_ptr", "stride_xt", "stride_we", "stride_os", "stride_ot"),
+    ),
+    *(
+        AotSpec(
+            f"router_topk[E={n_experts},hash={hashed}]", _router_topk_kernel,
+            {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "token_ids_ptr": "*i64", "tid2eid_ptr": "*i64",
+             "ids_ptr": "*i32", "weights_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
+             "vocab_size": "i32", "route_scale": "fp32", "stride_ls": "i32", "stride_lt": "i32",
+             "stride_hash": "i32"},
+            {"N_SPLIT": 1, "TOPK": 6, "K_PAD": 8, "BLOCK_T": TOPK_BLOCK_T, "E_PAD": triton.next_power_of_2(n_experts),
+             "HAS_BIAS": not hashed, "HASH": hashed},
+            aligned=("logits_ptr", "bias_ptr", "token_ids_ptr", "tid2eid_ptr", "ids_ptr", "weights_ptr", "stride_ls",
+                     "stride_lt"),
+        )
+        for n_experts in (256, 384) for hashed in (False, True)
+    ),
+]

@@ -1,0 +1,543 @@
+"""Unit tests of the MoE kernels (`optimized/triton/moe_*.py`, `optimized/deepgemm/moe.py`) and the public
+MoE API (`optimized/moe.py`), each against a small torch oracle built from `reference.moe` on identical inputs.
+
+On the CPU the Triton kernels run under `TRITON_INTERPRET=1` at shapes smaller than TINY (D 256, I 256, 8
+experts, top-4): two K blocks in every GEMM (so the per-block scale promotion is exercised), few programs.
+The whole-op parity at TINY / FLASH / PRO shapes lives in `test_moe.py` (cases of `parity_tests/ops/moe.py`).
+The GPU tests at the end run the Triton GPU tile configurations and DeepGEMM's two grouped layouts.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+
+import pytest
+import torch
+
+import optimized.moe as omoe
+from optimized.backends import backend_status
+from parity_tests.cases import generator
+from parity_tests.metrics import calc_diff, max_abs_error, max_rel_error
+from parity_tests.ops.moe import route_agreement
+from parity_tests.tolerances import (
+    BITWISE,
+    MOE_SIMULATED,
+    ROUTE_EXTREME_WEIGHTS,
+    ROUTE_SETS,
+    ROUTE_WEIGHTS,
+    ROUTER_LOGIT_ERROR,
+)
+from reference import moe as ref
+from reference.config import FLASH, TINY
+from reference.formats import dequantize_per_token, quantize_per_token
+from reference.numerics import EXACT, MEGAMOE, OFFICIAL, Numerics
+
+triton_ok, triton_why = backend_status("triton")
+needs_triton = pytest.mark.skipif(not triton_ok, reason=f"triton backend unavailable: {triton_why}")
+
+SMALL = TINY.replace(n_routed_experts=8, n_activated_experts=4)
+HASH_LAYER, TOPK_LAYER = 0, SMALL.n_hash_layers
+
+
+def _weights(layer: int = TOPK_LAYER, fmt: str = "e4m3fn", expert_format: str = "fp8", cfg=SMALL) -> ref.MoEWeights:
+    return ref.random_moe_weights(cfg, layer, expert_format=expert_format, fmt=fmt, generator=generator(7))
+
+
+def _x(tokens: int, seed: int = 1, dim: int = SMALL.dim) -> torch.Tensor:
+    return torch.randn(tokens, dim, generator=generator(seed)).to(torch.bfloat16)
+
+
+def _assert_bitwise(mismatches: int, what: str) -> None:
+    assert BITWISE.passes(mismatches), f"{what}: {mismatches} mismatches ({BITWISE.reason})"
+
+
+def _assert_simulated(cand: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    diff = calc_diff(cand, want)
+    assert MOE_SIMULATED.passes(diff), f"{what}: calc_diff {diff:.3g} > {MOE_SIMULATED.value} ({MOE_SIMULATED.reason})"
+
+
+# ------------------------------------------------------------------------------------------------
+# Routing (moe_routing)
+# ------------------------------------------------------------------------------------------------
+
+
+@needs_triton
+def test_router_topk_selects_like_the_reference_with_ties_to_the_lower_id_and_extreme_logits() -> None:
+    from optimized.triton.moe_routing import router_topk
+
+    n_tokens, n_experts, k = 24, 16, 6
+    logits = torch.randn(n_tokens, n_experts, generator=generator(3)) * 2
+    logits[:, 9] = logits[:, 3]  # exact ties: same logit, same bias -> expert 3 must win
+    logits[0, :] = torch.tensor([30.0, -30.0, -100.0, 100.0] * 4)  # scores neither underflow nor overflow
+    logits[1, :] = -90.0  # scores of e^-45: the bias alone decides
+    bias = torch.randn(n_experts, generator=generator(4)) * 0.1
+    bias[9] = bias[3]
+    ids, weights = router_topk(logits[None], bias, topk=k, route_scale=2.5)
+
+    scores = ref.sqrt_softplus(logits)
+    want_ids = ref.select_topk(scores + bias, k)
+    want_weights = scores.gather(1, want_ids)
+    want_weights = want_weights / want_weights.sum(-1, keepdim=True) * 2.5
+    _assert_bitwise(int((ids.long() != want_ids).sum()), "expert ids (same logits)")
+    err = max_rel_error(weights, want_weights, floor=1e-30)
+    assert ROUTE_EXTREME_WEIGHTS.passes(err), f"weights: max rel error {err:.3g} ({ROUTE_EXTREME_WEIGHTS.reason})"
+    assert bool((weights > 0).all()), "a score underflowed to 0"
+
+
+@needs_triton
+def test_router_logits_split_over_the_hidden_dim_sum_to_the_fp32_logits() -> None:
+    from optimized.triton.moe_routing import router_logits, router_topk
+
+    x, gate = _x(19), _weights().gate
+    want = x.float() @ gate.float().T
+    for n_split in (1, 2):
+        parts = router_logits(x, gate, n_split=n_split)
+        assert parts.shape == (n_split, 19, SMALL.n_routed_experts)
+        err = max_abs_error(parts.sum(0), want)
+        assert err <= ROUTER_LOGIT_ERROR, f"n_split={n_split}: logit error {err:.3g} > {ROUTER_LOGIT_ERROR}"
+    # the top-k kernel adds the partial sums in order: the same selection as on their sum
+    parts = router_logits(x, gate, n_split=2)
+    ids, _ = router_topk(parts, None, topk=4, route_scale=1.0)
+    _assert_bitwise(int((ids.long() != ref.select_topk(ref.sqrt_softplus(parts[0] + parts[1]), 4)).sum()),
+                    "ids from split logits")
+
+
+@needs_triton
+@pytest.mark.parametrize("layer", [TOPK_LAYER, HASH_LAYER], ids=["topk", "hash"])
+def test_route_matches_the_reference_and_a_nan_token_keeps_valid_ids(layer: int) -> None:
+    w = _weights(layer)
+    x = _x(13)
+    x[5, 7] = float("nan")
+    token_ids = torch.randint(0, SMALL.vocab_size, (13,), generator=generator(2))
+    kw = dict(token_ids=token_ids, tid2eid=w.tid2eid, cfg=SMALL)
+    ids, weights = omoe.route(x, w.gate, w.bias, **kw, backend="triton")
+    want_ids, want_weights = ref.route(x, w.gate, w.bias, **kw)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert bool(((ids >= 0) & (ids < SMALL.n_routed_experts)).all()), "a NaN token must still get valid ids"
+    finite = torch.arange(13) != 5
+    _assert_bitwise(int((ids[finite].sort(-1).values != want_ids[finite].sort(-1).values).sum()), "expert sets")
+    assert bool(weights[5].isnan().all()) and bool(weights[finite].isfinite().all())
+    err = max_abs_error(weights[finite], want_weights[finite])
+    assert ROUTE_WEIGHTS.passes(err), f"weights: {err:.3g} ({ROUTE_WEIGHTS.reason})"
+
+
+# ------------------------------------------------------------------------------------------------
+# Permute, gather, combine (moe_permute)
+# ------------------------------------------------------------------------------------------------
+
+
+def _random_ids(n_tokens: int, n_experts: int, k: int, seed: int) -> torch.Tensor:
+    """[T, k] int32 distinct ids per row, some -1 slots, and expert n_experts - 1 never chosen."""
+    g = generator(seed)
+    ids = torch.stack([torch.randperm(n_experts - 1, generator=g)[:k] for _ in range(n_tokens)]).to(torch.int32)
+    ids[torch.rand(ids.shape, generator=g) < 0.05] = -1
+    return ids
+
+
+def _layout_oracle(ids: torch.Tensor, n_experts: int, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """slot_row [T * k] and expert_start [E + 1] of the compact layout, by a stable sort in torch."""
+    flat = ids.reshape(-1).long()
+    counts = torch.bincount(flat[flat >= 0], minlength=n_experts)
+    padded = (counts + align - 1) // align * align
+    start = torch.cat([torch.zeros(1, dtype=torch.long), padded.cumsum(0)])
+    slot_row = torch.full_like(flat, -1)
+    order = torch.sort(torch.where(flat >= 0, flat, n_experts), stable=True).indices
+    for e in range(n_experts):
+        slots = order[flat[order] == e]
+        slot_row[slots] = start[e] + torch.arange(slots.numel())
+    return slot_row, start
+
+
+@needs_triton
+def test_permute_places_each_slot_once_in_slot_order_inside_its_aligned_expert_segment() -> None:
+    from optimized.triton.moe_permute import permute
+
+    n_experts, align = 16, 64
+    ids = _random_ids(700, n_experts, 6, seed=5)  # 4200 slots: 33 chunks, two steps of the prefix-sum loop
+    layout = permute(ids, n_experts, align=align)
+    want_rows, want_start = _layout_oracle(ids, n_experts, align)
+    _assert_bitwise(int((layout.slot_row.long() != want_rows).sum()), "slot -> row")
+    _assert_bitwise(int((layout.expert_start.long() != want_start).sum()), "segment starts")
+    placed = want_rows >= 0
+    rows = want_rows[placed]
+    flat = ids.reshape(-1).long()
+    _assert_bitwise(int((layout.sorted_slot[rows].long() != placed.nonzero().flatten()).sum()), "row -> slot")
+    _assert_bitwise(int((layout.row_expert[rows].long() != flat[placed]).sum()), "row -> expert")
+    padding = torch.ones(layout.n_rows, dtype=torch.bool)
+    padding[rows] = False
+    assert bool((layout.sorted_slot[padding] == -1).all()) and bool((layout.row_expert[padding] == -1).all())
+    assert layout.n_rows >= int(want_start[-1]) and layout.n_rows % align == 0
+    assert int(layout.expert_count[-1]) == 0, "the unused expert owns no rows"
+
+
+@needs_triton
+def test_masked_layout_gives_each_expert_its_capacity_and_marks_the_overflow() -> None:
+    from optimized.triton.moe_permute import OVERFLOW, SKIPPED, permute
+
+    ids = torch.tensor([[2, 0, -1], [2, 1, 0], [2, 2, 1]], dtype=torch.int32)  # expert 2 four times, capacity 3
+    layout = permute(ids, 4, capacity=3, write_rows=False)
+    want = torch.tensor([2 * 3 + 0, 0, SKIPPED.value, 2 * 3 + 1, 3, 1, 2 * 3 + 2, OVERFLOW.value, 3 + 1],
+                        dtype=torch.int32)
+    _assert_bitwise(int((layout.slot_row != want).sum()), "slot -> row of the masked layout")
+    _assert_bitwise(int((layout.expert_count != torch.tensor([2, 2, 3, 0], dtype=torch.int32)).sum()), "masked_m")
+    assert layout.sorted_slot is None and layout.n_rows == 12
+
+
+@needs_triton
+@pytest.mark.parametrize("masked", [False, True], ids=["contiguous", "masked"])
+def test_gather_rows_copies_each_slots_token_row_and_scales_into_the_mn_major_layout(masked: bool) -> None:
+    from optimized.deepgemm.moe import _mn_major_scales
+    from optimized.triton.moe_permute import gather_rows, permute
+
+    n_tokens, k, n_experts, dim = 9, 3, 5, 512
+    ids = _random_ids(n_tokens, n_experts, k, seed=8)
+    q, s = quantize_per_token(_x(n_tokens, dim=dim), 128, "e4m3fnuz")
+    if masked:
+        layout = permute(ids, n_experts, capacity=12, write_rows=False)
+        out = torch.zeros((n_experts, 12, dim), dtype=q.dtype)
+        out_scale = _mn_major_scales((n_experts,), 12, dim, q.device).fill_(-1)
+    else:
+        layout = permute(ids, n_experts, align=8)
+        out = torch.zeros((layout.n_rows, dim), dtype=q.dtype)
+        out_scale = _mn_major_scales((), layout.n_rows, dim, q.device).fill_(-1)
+    gather_rows(q, s, layout, k, out, out_scale)
+    rows = layout.slot_row.long()
+    placed = rows >= 0
+    tokens = torch.arange(n_tokens * k)[placed] // k
+    flat_out, flat_scale = out.reshape(-1, dim), out_scale.reshape(-1, dim // 128)
+    _assert_bitwise(int((flat_out[rows[placed]].view(torch.uint8) != q[tokens].view(torch.uint8)).sum()), "rows")
+    _assert_bitwise(int((flat_scale[rows[placed]] != s[tokens]).sum()), "scales")
+    assert out_scale.stride()[-2:] == (1, out_scale.shape[-2]), "scales are MN-major"
+
+
+@needs_triton
+def test_combine_sums_slots_in_ascending_expert_id_in_fp32_and_poisons_overflow() -> None:
+    from optimized.triton.moe_permute import OVERFLOW, MoeLayout, combine
+
+    n_tokens, k, dim = 5, 4, 64
+    ids = torch.tensor([[3, 1, 2, 0], [0, 0, 5, -1], [7, 6, 5, 4], [1, 2, 3, 4], [2, 1, 0, 3]], dtype=torch.int32)
+    n_rows = n_tokens * k
+    slot_row = torch.randperm(n_rows, generator=generator(9)).to(torch.int32)
+    slot_row[7] = -1  # the -1 slot
+    slot_row[4 * k + 2] = OVERFLOW.value
+    layout = MoeLayout(slot_row, None, None, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                       n_rows, 1, 0)
+    y = (torch.randn(n_rows, dim, generator=generator(10)) * 8).to(torch.bfloat16)
+    shared = torch.randn(n_tokens, dim, generator=generator(11)).to(torch.bfloat16)
+    out = combine(y, layout, ids, shared)
+
+    want = torch.zeros(n_tokens, dim)
+    for t in range(n_tokens):
+        for j in sorted(range(k), key=lambda j: (int(ids[t, j]), j)):  # ascending expert id, then slot
+            row = int(slot_row[t * k + j])
+            if row >= 0:
+                want[t] += y[row].float()
+    want = (want + shared.float()).to(torch.bfloat16)
+    _assert_bitwise(int((out[:4] != want[:4]).sum()), "fp32 sum in expert order, shared added, one bf16 cast")
+    assert bool(out[4].isnan().all()), "an overflowing slot makes its token NaN, never a silent drop"
+
+
+# ------------------------------------------------------------------------------------------------
+# Grouped GEMMs and the SwiGLU epilogue (moe_gemm)
+# ------------------------------------------------------------------------------------------------
+
+
+def _reference_rows(x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor, w: ref.MoEWeights,
+                    numerics: Numerics) -> torch.Tensor:
+    """[T * k, D] bf16: reference `expert_forward` of each slot on its own (rows of -1 slots are zero)."""
+    rows = torch.zeros(ids.numel(), x.shape[1], dtype=torch.bfloat16)
+    k = ids.shape[1]
+    for s, e in enumerate(ids.reshape(-1).tolist()):
+        if e >= 0:
+            t, j = divmod(s, k)
+            rows[s] = ref.expert_forward(x[t:t + 1], ref._expert(w.w13, e), ref._expert(w.w2, e),
+                                         topk_weights[t, j:j + 1], swiglu_limit=SMALL.swiglu_limit,
+                                         numerics=numerics)[0]
+    return rows
+
+
+@needs_triton
+@pytest.mark.parametrize("numerics", [OFFICIAL, OFFICIAL.replace(fp8_format="e4m3fnuz"), MEGAMOE, EXACT],
+                         ids=["official", "e4m3fnuz", "megamoe_act_block_32", "exact_bf16"])
+def test_routed_rows_equal_the_reference_expert_of_each_slot(numerics: Numerics) -> None:
+    from optimized.triton.moe_pipeline import activation, routed_rows
+
+    w = _weights(fmt=numerics.fp8_format)
+    x = _x(6)
+    ids, topk_weights = ref.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=SMALL)
+    a, a_scale = activation(x, numerics)
+    y, layout = routed_rows(a, a_scale, ids, topk_weights, w.w13, w.w2, swiglu_limit=SMALL.swiglu_limit,
+                            numerics=numerics)
+    cand = y[layout.slot_row.long()]
+    _assert_simulated(cand, _reference_rows(x, ids, topk_weights, w, numerics), f"{numerics.name} rows")
+
+
+@needs_triton
+@pytest.mark.parametrize("clamp", [True, False], ids=["clamped", "initial_release_no_clamp"])
+def test_shared_rows_equal_the_reference_shared_expert(clamp: bool) -> None:
+    from optimized.triton.moe_pipeline import activation, shared_rows
+
+    numerics = OFFICIAL.replace(shared_expert_clamp=clamp)
+    w, x = _weights(), _x(70)  # 70 rows: two row blocks, the second partial
+    a, a_scale = activation(x, numerics)
+    cand = shared_rows(a, a_scale, w.shared_w13, w.shared_w2, swiglu_limit=SMALL.swiglu_limit, numerics=numerics)
+    want = ref.shared_expert(x, w.shared_w13, w.shared_w2, swiglu_limit=SMALL.swiglu_limit, numerics=numerics)
+    _assert_simulated(cand, want, "shared expert")
+
+
+@needs_triton
+def test_swiglu_quant_equals_the_reference_swiglu_then_act_quant_and_keeps_nan_in_its_row() -> None:
+    from optimized.deepgemm.moe import _mn_major_scales
+    from optimized.triton.moe_gemm import swiglu_quant
+    from optimized.triton.moe_permute import permute
+
+    n_tokens, k, n_experts, inter, limit = 6, 2, 4, 256, 10.0
+    ids = _random_ids(n_tokens, n_experts, k, seed=12)
+    layout = permute(ids, n_experts, align=16)
+    # gate/up rows as a grouped GEMM would write them: bf16, a quarter of them beyond +-limit
+    h = (torch.randn(layout.n_rows, 2 * inter, generator=generator(13)) * 8).to(torch.bfloat16)
+    nan_slot = 3
+    h[int(layout.slot_row[nan_slot]), 5] = float("nan")
+    weights = torch.rand(n_tokens * k, generator=generator(14)) + 0.5
+    q = torch.zeros((layout.n_rows, inter), dtype=torch.float8_e4m3fn)
+    s = _mn_major_scales((), layout.n_rows, inter, q.device)
+    swiglu_quant(h, q, s, fmt="e4m3fn", limit=limit, layout=layout, topk_weights=weights)
+
+    rows = layout.slot_row.long()
+    placed = (rows >= 0).nonzero().flatten()
+    a = ref.swiglu(h[rows[placed], :inter], h[rows[placed], inter:], limit) * weights[placed, None]
+    want = dequantize_per_token(*quantize_per_token(a.to(torch.bfloat16), 128, "e4m3fn"), 128)
+    cand = dequantize_per_token(q[rows[placed]], s[rows[placed]], 128)
+    finite = placed != nan_slot
+    _assert_simulated(cand[finite], want[finite], "SwiGLU + weight + bf16 + FP8 per 128")
+    nan_row = cand[~finite][0]
+    assert bool(nan_row[:128].isnan().all()) and bool(nan_row[128:].isfinite().all()), \
+        "a NaN makes its own 128-block NaN (NaN scale), nothing else"
+
+
+# ------------------------------------------------------------------------------------------------
+# The public API (optimized.moe) on the Triton backend
+# ------------------------------------------------------------------------------------------------
+
+
+def _experts_both(x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor, w: ref.MoEWeights,
+                  numerics: Numerics = OFFICIAL) -> tuple[torch.Tensor, torch.Tensor]:
+    kw = dict(swiglu_limit=SMALL.swiglu_limit, numerics=numerics)
+    return (omoe.experts(x, ids, topk_weights, w.w13, w.w2, **kw, backend="triton"),
+            ref.experts(x, ids, topk_weights, w.w13, w.w2, **kw))
+
+
+@needs_triton
+def test_experts_edge_cases_no_token_one_token_one_hot_expert_set_skips_and_repeats() -> None:
+    w = _weights()
+    k = SMALL.n_activated_experts
+    empty = omoe.experts(_x(0), torch.zeros((0, k), dtype=torch.int32), torch.zeros(0, k), w.w13, w.w2,
+                         swiglu_limit=SMALL.swiglu_limit, numerics=OFFICIAL, backend="triton")
+    assert empty.shape == (0, SMALL.dim) and empty.dtype == torch.bfloat16
+
+    x = _x(9)
+    weights = torch.rand(9, k, generator=generator(15)) + 0.1
+    one = torch.tensor([[5, 0, 2, 7]], dtype=torch.int32)
+    hot = ((torch.arange(k)[None, :] + torch.arange(9)[:, None]) % k).to(torch.int32)  # experts 4..7 get none
+    skips_and_repeats = hot.clone()
+    skips_and_repeats[0, 1] = -1
+    skips_and_repeats[1] = 3  # one token, four slots of expert 3: counted once per slot
+    for name, x_, ids, tw in (("T=1", x[:1], one, weights[:1]), ("hot", x, hot, weights),
+                              ("skips+repeats", x, skips_and_repeats, weights)):
+        cand, want = _experts_both(x_, ids, tw, w)
+        _assert_simulated(cand, want, name)
+
+
+@needs_triton
+def test_a_nan_token_stays_nan_and_reaches_no_other_token() -> None:
+    w = _weights()
+    x = _x(7)
+    x[4, 100] = float("nan")
+    ids, topk_weights = ref.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=SMALL)
+    cand, want = _experts_both(x, ids, topk_weights, w)
+    assert bool(cand[4].isnan().all()) and bool(cand[torch.arange(7) != 4].isfinite().all())
+    _assert_simulated(cand[:4], want[:4], "other tokens")
+
+    out = omoe.moe(x, w, token_ids=None, cfg=SMALL, numerics=OFFICIAL, backend="triton")
+    assert bool(out[4].isnan().all()) and bool(out[torch.arange(7) != 4].isfinite().all())
+
+
+@needs_triton
+@pytest.mark.parametrize(("layer", "expert_format"), [(TOPK_LAYER, "fp8"), (HASH_LAYER, "fp4")],
+                         ids=["topk_fp8", "hash_fp4"])
+def test_moe_equals_the_reference_and_the_module_equals_the_function(layer: int, expert_format: str) -> None:
+    w = _weights(layer, expert_format=expert_format)
+    x = _x(11)
+    token_ids = torch.randint(0, SMALL.vocab_size, (11,), generator=generator(16))
+    cand = omoe.moe(x, w, token_ids=token_ids, cfg=SMALL, numerics=OFFICIAL, backend="triton")
+    _assert_simulated(cand, ref.moe(x, w, token_ids=token_ids, cfg=SMALL, numerics=OFFICIAL), "moe")
+    layer_module = omoe.MoE(w, SMALL, OFFICIAL, backend="triton")
+    _assert_bitwise(int((layer_module(x, token_ids) != cand).sum()), "MoE module vs moe()")
+
+
+def test_fp4_experts_are_reencoded_once_per_weight_and_released_with_it() -> None:
+    w = _weights(expert_format="fp4")
+    first = omoe.fp8_expert_weight(w.w13, "e4m3fn")
+    assert omoe.fp8_expert_weight(w.w13, "e4m3fn") is first, "a second call must hit the cache"
+    assert omoe.fp8_expert_weight(w.w13, "e4m3fnuz") is not first, "the cache is per FP8 format"
+    assert torch.equal(first.dequantize(), w.w13.dequantize()), "the re-encode is lossless"
+    key = (id(w.w13), "e4m3fn")
+    del w, first
+    gc.collect()
+    assert key not in omoe._FP8_CACHE, "the FP8 copy must not outlive its FP4 weight"
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad inputs: checked before any kernel
+# ------------------------------------------------------------------------------------------------
+
+
+def _bad_calls() -> list[tuple[str, object, type[Exception], str]]:
+    w, wh, w_fnuz = _weights(), _weights(HASH_LAYER), _weights(fmt="e4m3fnuz")
+    x = _x(4)
+    ids = torch.zeros((4, 4), dtype=torch.int32)
+    tw = torch.ones(4, 4)
+    tok = torch.arange(4)
+
+    def experts(**kw):
+        args = dict(x=x, topk_ids=ids, topk_weights=tw, w13=w.w13, w2=w.w2)
+        args.update(kw)
+        return lambda: omoe.experts(args["x"], args["topk_ids"], args["topk_weights"], args["w13"], args["w2"],
+                                    swiglu_limit=10.0, numerics=kw.get("numerics", OFFICIAL))
+
+    def route(**kw):
+        args = dict(x=x, gate=w.gate, bias=w.bias, token_ids=None, tid2eid=None, cfg=SMALL)
+        args.update(kw)
+        return lambda: omoe.route(args["x"], args["gate"], args["bias"], token_ids=args["token_ids"],
+                                  tid2eid=args["tid2eid"], cfg=args["cfg"])
+
+    return [
+        ("x_fp32", experts(x=x.float()), ValueError, "x: expected [T, D] bf16"),
+        ("x_not_a_tensor", experts(x=[1.0]), TypeError, "x: expected a tensor"),
+        ("x_dim_not_a_multiple_of_128", experts(x=_x(4, dim=200)), ValueError, "multiple of 128"),
+        ("x_last_dim_strided", experts(x=_x(4, dim=512)[:, ::2]), ValueError, "x: the last dim must be contiguous"),
+        ("topk_ids_float", experts(topk_ids=ids.float()), ValueError, "topk_ids: expected [4, k] int32/int64"),
+        ("topk_ids_out_of_range", experts(topk_ids=ids + 8), ValueError, "topk_ids: expected values in [-1, 8)"),
+        ("topk_ids_below_minus_one", experts(topk_ids=ids - 2), ValueError, "topk_ids: expected values in [-1, 8)"),
+        ("topk_weights_shape", experts(topk_weights=tw[:, :2]), ValueError, "topk_weights: expected (4, 4)"),
+        ("topk_ids_other_device", experts(topk_ids=ids.to("meta")), ValueError, "topk_ids: expected a tensor on cpu"),
+        ("w13_not_a_weight", experts(w13=w.w13.data), TypeError, "w13: expected Fp8Weight or Fp4Weight"),
+        ("w2_wrong_shape", experts(w2=w.w13), ValueError, "w2: expected shape"),
+        ("fp8_format_mismatch", experts(numerics=OFFICIAL.replace(fp8_format="e4m3fnuz")), ValueError,
+         "do not match numerics.fp8_format"),
+        ("mixed_fp8_fp4_experts", experts(w2=_weights(expert_format="fp4").w2), TypeError, "the same format"),
+        ("numerics_not_numerics", experts(numerics="official"), TypeError, "numerics: expected Numerics"),
+        ("w13_other_format_weights", experts(w13=w_fnuz.w13, w2=w_fnuz.w2), ValueError, "do not match"),
+        ("gate_fp32", route(gate=w.gate.float()), ValueError, "gate_weight: expected bf16"),
+        ("gate_wrong_experts", route(gate=w.gate[:4]), ValueError, "gate_weight: expected shape"),
+        ("bias_missing", route(bias=None), ValueError, "bias: a non-hash layer needs"),
+        ("bias_on_hash_layer", route(tid2eid=wh.tid2eid, token_ids=tok), ValueError, "bias: hash layers"),
+        ("token_ids_missing", route(bias=None, tid2eid=wh.tid2eid), ValueError, "token_ids: hash layers route"),
+        ("token_ids_out_of_vocab", route(bias=None, tid2eid=wh.tid2eid, token_ids=tok + SMALL.vocab_size),
+         ValueError, "token_ids: every id must be in"),
+        ("tid2eid_float", route(bias=None, tid2eid=wh.tid2eid.float(), token_ids=tok), ValueError,
+         "tid2eid: expected [vocab, 4] int32/int64"),
+        ("tid2eid_expert_out_of_range", route(bias=None, tid2eid=wh.tid2eid + SMALL.n_routed_experts, token_ids=tok),
+         ValueError, "tid2eid: rows of these tokens"),
+        ("cfg_not_a_config", route(cfg={"dim": 256}), TypeError, "cfg: expected DSv4Config"),
+        ("moe_weights_not_moe_weights", lambda: omoe.moe(x, w.w13, token_ids=None, cfg=SMALL, numerics=OFFICIAL),
+         TypeError, "weights: expected MoEWeights"),
+    ]
+
+
+@pytest.mark.parametrize(("name", "call", "error", "match"), _bad_calls(), ids=[c[0] for c in _bad_calls()])
+def test_public_api_rejects_bad_inputs_by_name_before_any_kernel(name: str, call, error: type[Exception],
+                                                                 match: str) -> None:
+    with pytest.raises(error, match=re.escape(match)):
+        call()
+
+
+def test_deepgemm_backend_rejects_what_sm90_deepgemm_cannot_run_and_picks_the_layout_by_token_count() -> None:
+    from optimized.deepgemm import moe as dg
+
+    for numerics, match in ((OFFICIAL.replace(fp8_format="e4m3fnuz"), "fp8_format 'e4m3fn' only"),
+                            (EXACT, "act_quant=True"), (MEGAMOE, "act_block 128"),
+                            (OFFICIAL.replace(gate_up_bf16=False), "gate_up_bf16")):
+        with pytest.raises(ValueError, match=match):
+            dg.check_supported(numerics)
+    assert dg._layout(dg.MASKED_MAX_TOKENS, None) == "masked"
+    assert dg._layout(dg.MASKED_MAX_TOKENS + 1, None) == "contiguous"
+    assert dg._layout(1, "contiguous") == "contiguous"
+    with pytest.raises(ValueError, match="layout: expected one of"):
+        dg._layout(1, "psum")
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the Triton GPU tiles and DeepGEMM's two layouts at FLASH's D and I (fewer experts)
+# ------------------------------------------------------------------------------------------------
+
+GPU_CFG = FLASH.replace(n_routed_experts=32)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_backends() -> list[tuple[str, str | None]]:
+    return [("triton", None), ("deepgemm", "masked"), ("deepgemm", "contiguous")]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512])
+@pytest.mark.parametrize(("backend", "layout"), _gpu_backends(), ids=["triton", "deepgemm_masked",
+                                                                       "deepgemm_contiguous"])
+def test_gpu_experts_match_the_reference_are_deterministic_and_confine_nan(tokens: int, backend: str,
+                                                                           layout: str | None) -> None:
+    ok, why = backend_status(backend)
+    if not ok:
+        pytest.skip(f"backend {backend!r} unavailable: {why}")
+    device = "cuda"
+    cfg = GPU_CFG
+    w = ref.random_moe_weights(cfg, cfg.n_hash_layers, generator=torch.Generator(device).manual_seed(0),
+                               device=device)
+    x = torch.randn(tokens, cfg.dim, generator=torch.Generator(device).manual_seed(1), device=device).bfloat16()
+    nan_token = tokens // 2
+    x[nan_token, 11] = float("nan")
+    ids, topk_weights = ref.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=cfg)
+    kw = dict(swiglu_limit=cfg.swiglu_limit, numerics=OFFICIAL)
+    if backend == "deepgemm":
+        from optimized.deepgemm import moe as dg
+
+        def run() -> torch.Tensor:
+            return dg.experts(x, ids, topk_weights, w.w13, w.w2, **kw, layout=layout)
+    else:
+        def run() -> torch.Tensor:
+            return omoe.experts(x, ids, topk_weights, w.w13, w.w2, **kw, backend=backend)
+    cand = run()
+    _assert_bitwise(int((run().view(torch.int16) != cand.view(torch.int16)).sum()), "rerun")
+    want = ref.experts(x, ids, topk_weights, w.w13, w.w2, **kw)
+    others = torch.arange(tokens, device=device) != nan_token
+    assert bool(cand[nan_token].isnan().all()) and bool(cand[others].isfinite().all()), "NaN stays in its token"
+    _assert_simulated(cand[others], want[others], f"{backend} {layout or ''} T={tokens}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "deepgemm"])
+@pytest.mark.parametrize("tokens", [8, 512])
+def test_gpu_moe_and_route_match_the_reference(backend: str, tokens: int) -> None:
+    ok, why = backend_status(backend)
+    if not ok:
+        pytest.skip(f"backend {backend!r} unavailable: {why}")
+    device = "cuda"
+    cfg = GPU_CFG
+    w = ref.random_moe_weights(cfg, cfg.n_hash_layers, generator=torch.Generator(device).manual_seed(2),
+                               device=device)
+    x = torch.randn(tokens, cfg.dim, generator=torch.Generator(device).manual_seed(3), device=device).bfloat16()
+    ids, weights = omoe.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=cfg, backend=backend)
+    want_ids, want_weights = ref.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=cfg)
+    keys = ref.router_scores(x, w.gate) + w.bias
+    agree = route_agreement(want_ids, want_weights, ids, keys, cfg.n_routed_experts)
+    unexplained = int(agree.unexplained.sum())
+    assert ROUTE_SETS.passes(unexplained), f"{unexplained} expert sets differ beyond near ties ({ROUTE_SETS.reason})"
+    same = agree.same
+    err = max_abs_error(weights[same].gather(1, ids[same].long().sort(-1).indices),
+                        want_weights[same].gather(1, want_ids[same].long().sort(-1).indices))
+    assert ROUTE_WEIGHTS.passes(err), f"route weights {err:.3g} ({ROUTE_WEIGHTS.reason})"
+    cand = omoe.moe(x, w, token_ids=None, cfg=cfg, numerics=OFFICIAL, backend=backend)
+    want = ref.moe(x, w, token_ids=None, cfg=cfg, numerics=OFFICIAL)
+    _assert_simulated(cand[same], want[same], f"moe {backend} T={tokens}")
