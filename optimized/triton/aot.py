@@ -22,7 +22,8 @@ from typing import Any
 from optimized.triton._fp8 import fp8_constants
 
 # Modules that define AOT_SPECS. Add yours here.
-KERNEL_MODULES: tuple[str, ...] = ("optimized.triton.quant", "optimized.triton.einsum")
+KERNEL_MODULES: tuple[str, ...] = ("optimized.triton.quant", "optimized.triton.einsum", "optimized.triton.moe_routing",
+                                   "optimized.triton.moe_permute", "optimized.triton.moe_gemm")
 
 # (name, backend, arch, warp size, FP8 format native to the target)
 TARGETS = (
