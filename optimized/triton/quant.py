@@ -4,7 +4,8 @@ Two kernels, one per-block recipe (spec §2.1-§2.3): amax of the block -> power
 the bits (`_fp8.ue8m0_scale`) -> `x * (1 / s)` (exact: `1 / s` is a power of two built from the scale's
 exponent) -> exact RNE onto the E4M3 grid (`_fp8.round_to_fp8_grid`) -> store. The bytes equal the
 reference's (`reference.formats.quantize_per_token`, `reference.einsum.quantize_attn_output`) in both
-FP8 formats, on the GPU and in the CPU interpreter.
+FP8 formats, on the GPU and in the CPU interpreter — NaN and Inf included (a block holding a NaN gets the
+reference's scale 2^127 and keeps its NaN; an Inf saturates to the format's max).
 
 Scale layouts (`scale_layout`):
   * `"row_major"`: `s [M, K/B]` contiguous (`[T, G, K/B]` for the attention output).
@@ -39,10 +40,29 @@ _TILE_ELEMENTS = 4096
 
 
 @triton.jit
-def _reciprocal_pow2(scale):
-    """`1 / scale` for a power-of-two fp32 `scale` with exponent byte in [1, 253], built on the bits (exact)."""
+def _block_scale(x, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
+    """Power-of-two scale of each row of `x` [rows, BLOCK] (fp32). A row holding a NaN gets 2^127, as in the
+    reference: torch's amax propagates the NaN and the UE8M0 exponent clamps at 254 (Triton's max drops NaN)."""
+    scale = ue8m0_scale(tl.max(tl.abs(x), axis=1), FP8_MAX, EPS)
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    return tl.where(has_nan, 2.0**127, scale)
+
+
+@triton.jit
+def _quantize_rows(x, scale, out_dtype: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+                   HAS_NEG_ZERO: tl.constexpr):
+    """`x / scale` (one scale per row) rounded onto the FP8 grid and cast to `out_dtype`; NaN stays NaN.
+
+    `1 / scale` is built from the scale's exponent bits (exact: a power of two; 2^-127 is subnormal). The
+    clamps of `round_to_fp8_grid` would turn a NaN into +-FP8_MAX, so NaN elements get the format's NaN
+    byte (0x7F e4m3fn, 0x80 e4m3fnuz) by bitcast, which every backend and the interpreter store as is.
+    """
     exponent = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return ((254 - exponent) << 23).to(tl.float32, bitcast=True)
+    inverse = tl.where(exponent == 254, 2.0**-127, ((254 - exponent) << 23).to(tl.float32, bitcast=True))
+    xs = x * inverse[:, None]
+    q = round_to_fp8_grid(xs, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO).to(out_dtype)
+    nan = tl.full(xs.shape, 0x7F if HAS_NEG_ZERO else 0x80, tl.uint8).to(out_dtype, bitcast=True)
+    return tl.where(xs != xs, nan, q)
 
 
 @triton.jit
@@ -60,9 +80,9 @@ def _quant_per_token_kernel(
     valid = rows < M
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=valid[:, None], other=0.0)
     x = x.to(tl.float32)
-    scale = ue8m0_scale(tl.max(tl.abs(x), axis=1), FP8_MAX, EPS)
-    q = round_to_fp8_grid(x * _reciprocal_pow2(scale)[:, None], FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
-    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=valid[:, None])
+    scale = _block_scale(x, FP8_MAX, EPS)
+    q = _quantize_rows(x, scale, q_ptr.dtype.element_ty, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=valid[:, None])
     # padding rows (M <= row < M_PAD) of the DeepGEMM layout get scale 0
     tl.store(s_ptr + rows * stride_sm + kb * stride_sk, tl.where(valid, scale, 0.0), mask=rows < M_PAD)
 
@@ -103,10 +123,10 @@ def _inv_rope_quant_kernel(
     x = tl.where(is_rope, rotated, x)
 
     # per-BLOCK amax -> power-of-two scale -> exact FP8 rounding
-    scale = ue8m0_scale(tl.max(tl.abs(x), axis=1), FP8_MAX, EPS)
-    q = round_to_fp8_grid(x * _reciprocal_pow2(scale)[:, None], FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
+    scale = _block_scale(x, FP8_MAX, EPS)
+    q = _quantize_rows(x, scale, q_ptr.dtype.element_ty, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
     dst = q_ptr + t.to(tl.int64) * stride_qt + g * stride_qg + col
-    tl.store(dst, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst, q, mask=ok)
     s_dst = s_ptr + t * stride_st + g * stride_sg + block * stride_sk
     tl.store(s_dst, tl.where(token_ok, scale, 0.0), mask=block < NUM_BLOCKS)
 
