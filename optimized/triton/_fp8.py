@@ -18,7 +18,7 @@ from reference.formats import FP8Format, fp8_format
 @triton.jit
 def ue8m0_scale(amax, QMAX: tl.constexpr, EPS: tl.constexpr):
     """`2^ceil(log2(max(amax, EPS) / QMAX))` from the exponent and mantissa bits, exponent byte in [1, 254]."""
-    ratio = tl.maximum(amax, EPS) / QMAX
+    ratio = tl.math.div_rn(tl.maximum(amax, EPS), QMAX)  # `/` is the approximate div.full.f32 on NVIDIA
     bits = ratio.to(tl.int32, bitcast=True)
     exponent = (bits >> 23) & 0xFF
     exponent = exponent + ((bits & 0x7FFFFF) != 0).to(tl.int32)
@@ -41,7 +41,7 @@ def round_to_fp8_grid(x, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HA
     exponent = tl.maximum(exponent, MIN_NORMAL_EXP)
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
     magic = 12582912.0  # 1.5 * 2^23
-    units = (x / step + magic) - magic
+    units = (tl.math.div_rn(x, step) + magic) - magic
     y = units * step
     if HAS_NEG_ZERO:
         return tl.where(y == 0.0, x * 0.0, y)
@@ -100,29 +100,33 @@ def _patch_interpreter_scalar_index() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
-def _patch_interpreter_bf16_dot() -> None:
-    """Make `tl.dot` of bf16 operands multiply values, not bit patterns: Triton 3.6's interpreter stores bf16 as
-    uint16 and its `create_dot` hands those integers to `np.matmul`. bf16 -> fp32 is exact, and so is every
-    bf16 x bf16 product in fp32, as in the GPU's MMA.
+def _patch_interpreter_dot_operands() -> None:
+    """Make `tl.dot` of bf16 and FP8 operands multiply values in fp32. Triton 3.6's interpreter stores bf16
+    as uint16 and hands those integers to `np.matmul` (wrong), and upcasts FP8 to fp16 for a NumPy fp16
+    matmul (right but ~1000x slower than fp32). bf16 -> fp32 and FP8 -> fp32 are exact, and so is every
+    product of two such values in fp32, as in the GPU's MMA.
     """
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
-    if getattr(builder.create_dot, "_dsv4_bf16", False):
+    if getattr(builder.create_dot, "_dsv4_fp32", False):
         return
     original_dot = builder.create_dot
 
     def as_fp32(handle):
         if handle.dtype == tl.bfloat16:
             return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        if handle.dtype.is_floating() and handle.dtype.primitive_bitwidth == 8:
+            data = interpreter._convert_float(handle.data, handle.dtype, tl.float32, None).view(np.float32)
+            return interpreter.TensorHandle(data, tl.float32)
         return handle
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return original_dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
 
-    create_dot._dsv4_bf16 = True  # type: ignore[attr-defined]
+    create_dot._dsv4_fp32 = True  # type: ignore[attr-defined]
     builder.create_dot = create_dot
 
 
@@ -158,5 +162,5 @@ def prepare_interpreter() -> None:
     if detect().interpret:
         _patch_interpreter_fnuz()
         _patch_interpreter_scalar_index()
-        _patch_interpreter_bf16_dot()
+        _patch_interpreter_dot_operands()
         _patch_interpreter_bf16_rounding()
