@@ -139,10 +139,9 @@ def _tiny_specs(device: str) -> list[MoESpec]:
     ]
     layers = [
         s(op="moe", tokens=0, hash_layer=False),
-        s(op="moe", tokens=1, hash_layer=True, fmt="e4m3fnuz", expert_format="fp4", numerics="megamoe"),
+        s(op="moe", tokens=1, hash_layer=True, fmt="e4m3fnuz", expert_format="fp4", numerics="megamoe", module=True),
         s(op="moe", tokens=7, hash_layer=True, pattern="nan"),
-        s(op="moe", tokens=33, hash_layer=False, expert_format="fp4", module=True),
-        s(op="moe", tokens=33, hash_layer=True, fmt="e4m3fnuz", numerics="megamoe"),
+        s(op="moe", tokens=33, hash_layer=False, expert_format="fp4"),
     ]
     return routes + experts_ + layers
 
