@@ -18,7 +18,7 @@ import torch
 from parity_tests.tolerances import Bound
 
 # The op modules whose providers make up the matrix, in report order.
-OP_MODULES = ("parity_tests.ops.einsum", "parity_tests.ops.moe")
+OP_MODULES = ("parity_tests.ops.einsum", "parity_tests.ops.moe", "parity_tests.ops.attention")
 
 # Decode and prefill token counts of the GPU matrix; TINY uses small ones of its own.
 DECODE_TOKENS = (1, 8, 64, 128)

@@ -260,3 +260,90 @@ OUTPUT_PROJECTION_SIMULATED = Bound(
     "simulated", "calc_diff", 2e-5,
     "FP8 requantization of z after accumulator noise: model <= 7.5e-6; bf16-rounded inverse RoPE costs 1.4e-4",
 )
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention kernels (optimized/attention.py, optimized/triton/*; parity_tests/ops/attention.py)
+# ------------------------------------------------------------------------------------------------
+
+# Sparse attention against the reference on the same q, KV rows, indices and sinks. Both round P to bf16
+# before P V and the output to bf16; the kernel's online softmax rounds each P relative to the running maximum
+# of its tile sequence instead of the row's global maximum, so the two bf16 roundings of a probability are
+# independent errors of <= 2^-9 relative, as are the two output roundings. Each side's rounding costs ~2.2e-6
+# against unrounded math (ATTENTION_UNROUNDED_P); measured kernel vs reference at 64 heads x 640 candidates
+# with the H200 tiling (16 rows per step): 2.0e-6..2.1e-6 (one 128-row tile: 1.7e-6..1.9e-6). 5x headroom;
+# a missing or scaled sink costs > 8e-3, a dropped or repeated row ~1/K of a token's output.
+SPARSE_ATTENTION_SIMULATED = Bound(
+    "simulated", "calc_diff", 1e-5,
+    "independent bf16 roundings of P and of the output: measured 2.1e-6; a missing sink costs > 8e-3",
+)
+
+# FlashAttention's rule: the kernel's max error against the formula with unrounded probabilities (fp64) is at
+# most TORCH_RELATIVE_FACTOR x the reference's (which rounds P to bf16 as the official kernel does).
+# Measured ratio 0.90..1.19.
+SPARSE_ATTENTION_TORCH_RELATIVE = Bound(
+    "torch_relative", "max error / reference's max error", TORCH_RELATIVE_FACTOR,
+    "FlashAttention: at most 2x the error of the same-precision PyTorch run (measured <= 1.19)",
+)
+
+# Indexer scores in fp32 (vLLM numerics): each score is sum_h w_h relu(q_h . k) with 128-term dots of exact
+# bf16 products; implementations differ only in fp32 summation order, ~sqrt(128) 2^-24 = 7e-7 relative per dot
+# and less over the head sum: calc_diff ~1e-13 (measured 1e-16 at TINY). A kernel that rounds to bf16 costs
+# ~1e-6, an FP8 quantization of q or k ~1e-4.
+INDEXER_SCORES_FP32 = Bound(
+    "simulated", "calc_diff", 1e-10,
+    "fp32 summation order only (~1e-13); bf16 rounding costs 1e-6, FP8 inputs 1e-4",
+)
+
+# Official bf16 scores: the dot, each weighted term and the head sum round to bf16. A term's product
+# relu(bf16 s) x bf16 w is exact in fp32, and a sum of bf16 terms in fp32 is exact unless they span more than 16
+# binades, so only a dot whose fp32 value moves by its summation order (~2^-24 relative) across a bf16 rounding
+# boundary (probability ~2^-16 per dot) changes a term by one bf16 ulp, which moves the final rounding with
+# probability ~2^-6: ~1e-6 of the scores by one bf16 ulp (2^-8): calc_diff ~1e-11 (measured 0 at TINY). 1e-7
+# stays below what skipping the intermediate bf16 roundings costs (~1e-6).
+INDEXER_SCORES_BF16 = Bound(
+    "simulated", "calc_diff", 1e-7,
+    "rare one-ulp flips of a bf16 dot (~1e-11); skipping the official bf16 roundings costs ~1e-6",
+)
+
+# Top-k sets of each side's own scores. A token's sets may differ only by entries whose reference scores lie
+# within the row's measured score error (max |s_candidate - s_reference| over its visible entries, counted for
+# both entries of a swap) of the reference's k-th largest score: a swap the score differences explain (spec
+# §7.1 pitfall 5). Exact ties go to the lower entry index on every backend. On identical scores: BITWISE sets.
+SELECTION_NEAR_TIES = Bound(
+    "simulated", "tokens whose sets differ beyond near ties", 0,
+    "only swaps the measured score error explains; ties -> lower index everywhere",
+)
+
+# The compressor on the same tokens: the projection GEMM's fp32 summation order (~1e-7 relative) moves the
+# pooled entry, whose bf16 rounding (official), norm and RoPE then flip a bf16 rounding with probability
+# ~1e-7 / 2^-9 = 5e-5 per element, and 1 in 16 of those flips an FP8 step (2^-4) — or 1 in 64 an FP4 step
+# (2^-2 relative) in the indexer's keys: calc_diff ~5e-5 x 2^-6 x 2^-4 / 2 < 1e-8 (measured 0 at TINY). 1e-5 is
+# the ceiling of such rare flips; a wrong ape row, slot or overlap half costs > 1e-2.
+COMPRESS_SIMULATED = Bound(
+    "simulated", "calc_diff", 1e-5,
+    "rare FP8/FP4 rounding flips after fp32 GEMM reordering (< 1e-8); wrong slots or ape cost > 1e-2",
+)
+
+# Projections (q, c_q, kv, index queries, head weights) against the reference with the same numerics. The FP8
+# linears differ by summation order (FP8_GEMM_SIMULATED: some outputs one bf16 ulp apart, up to ~30 % of them
+# under the H200's FP8 accumulator); where a quantization simulation follows, 1 in 16 of those flip an FP8
+# rounding of the KV NoPE dims (one step, 2^-4 relative): 0.3 x 1/16 x 2^-8 / 2 = 3.7e-5, and 1 in 64 flip an
+# FP4 rounding of the index queries (2^-2 relative): 0.3 x 1/64 x 2^-4 / 2 x 1/3 = 5e-5. 2e-4 covers both with
+# 4x headroom (measured 0 on the CPU, where both sides' GEMMs round the same way). The fused kernel alone is
+# compared bitwise on identical inputs (test_attention.py), which is what catches a missing quantization step.
+PROJECTION_SIMULATED = Bound(
+    "simulated", "calc_diff", 2e-4,
+    "GEMM-order ulp flips amplified by the FP8 (3.7e-5) / FP4 (5e-5) simulations after them",
+)
+
+# The whole layer against the reference with the same numerics. The attention output differs by its bf16
+# roundings (SPARSE_ATTENTION_SIMULATED), the output projection requantizes it and z to FP8, which turns
+# one-ulp differences into one-FP8-step differences on 1 in 16 elements (OUTPUT_PROJECTION_SIMULATED); the
+# projections add their own (PROJECTION_SIMULATED); a top-k swap at a near tie moves a token by ~1/sqrt(K) of
+# its output. Measured at TINY: prefill and decode 1.4e-5..1.0e-4. 5e-4 (5x) stays below what the lightest real
+# mistake costs: the KV NoPE dims without the FP8 simulation 1.6e-3; a missing sink 3.4e-2.
+ATTENTION_LAYER_SIMULATED = Bound(
+    "simulated", "calc_diff", 5e-4,
+    "FP8 requantization of bf16-level differences, measured <= 1.0e-4; KV without FP8 simulation costs 1.6e-3",
+)

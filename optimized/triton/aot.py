@@ -23,7 +23,9 @@ from optimized.triton._fp8 import fp8_constants
 
 # Modules that define AOT_SPECS. Add yours here.
 KERNEL_MODULES: tuple[str, ...] = ("optimized.triton.quant", "optimized.triton.einsum", "optimized.triton.moe_routing",
-                                   "optimized.triton.moe_permute", "optimized.triton.moe_gemm")
+                                   "optimized.triton.moe_permute", "optimized.triton.moe_gemm",
+                                   "optimized.triton.sparse_attention", "optimized.triton.indexer",
+                                   "optimized.triton.rope_quant", "optimized.triton.compressor")
 
 # (name, backend, arch, warp size, FP8 format native to the target)
 TARGETS = (

@@ -1,0 +1,342 @@
+"""Sparse attention with a per-head sink over gathered KV rows (spec §3.5), bf16 rows or the 584-byte FP8 cache.
+
+For token t and head h: `o = sum_i e^{z_i - M} kv_i / (sum_i e^{z_i - M} + e^{sink_h - M})` over the rows
+`kv[indices[t, :]]` (`-1` = empty slot), `z_i = scale * q_h . kv_i`. DSv4 has one KV head (MQA) shared by all
+query heads, and the same row is the key and the value, so one program loads a tile of gathered rows once and
+uses it for a block of heads, first as K (`S = Q K^T`, M = heads, N = rows, K = 512) and then as V (`O += P V`).
+
+Numerics (the official TileLang kernel's): logits and the online softmax in fp32, the probabilities rounded to
+bf16 before `P V`, fp32 accumulation, bf16 output, the sink added to the denominator at the end (not scaled),
+rows whose slots are all empty give 0. The softmax is online (the running maximum rescales the accumulator),
+so P is rounded relative to the running maximum rather than the global one: the same function, with
+bf16 roundings in other places than the reference's (compared under the torch-relative tier).
+
+Packed cache rows (`reference.cache` layout, 584 bytes per token): 448 FP8 NoPE values, 64 bf16 RoPE values
+(128 bytes), 7 UE8M0 scale bytes (one per 64 NoPE dims), 1 pad byte. The kernel gathers a row tile, decodes
+`fp8 * 2^(e - 127)` in fp32 (exact: the product of an E4M3 value and a power of two is a bf16 value) and uses
+the bf16 tile as above, so reading the packed cache equals reading its unpacked bf16 rows.
+
+Decode has few tokens, so the candidates of each (token, head block) can be split over several programs
+(split-KV); each writes its unnormalised fp32 accumulator and its (max, sum) pair, and a second kernel merges the
+splits in a fixed order with the sink. No atomics: results are bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from optimized.backends import detect
+from optimized.triton._fp8 import prepare_interpreter
+from optimized.triton.aot import AotSpec
+
+HEAD_DIM = 512
+NOPE_DIM = 448
+ROPE_DIM = 64
+KV_SCALE_BLOCK = 64  # NoPE dims per UE8M0 scale byte
+PACKED_ROW_BYTES = 584  # 448 fp8 + 128 (64 bf16) + 7 scales + 1 pad
+PACKED_ROPE_OFFSET = 448  # bytes
+PACKED_SCALE_OFFSET = 576  # bytes
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes of one launch.
+
+    Attributes:
+        block_h: query heads per program (the MMA's M); fewer heads are padded to 16, tl.dot's smallest M
+            (the official kernel pads local heads to 16 too).
+        block_n: gathered rows per step (N of S = Q K^T, K of O += P V).
+        num_warps, num_stages: Triton launch options.
+    """
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# 64 heads fill a Hopper warpgroup MMA (M = 64) and share each gathered tile; 16 rows per step keep the fp32
+# [64, 512] accumulator, the bf16 tile and (packed rows) its dequantization in registers without spills on
+# sm_90, gfx942 and gfx950 alike (`python -m optimized.triton.aot`). Tuning knob for the H200: BLOCK_N = 32
+# with bf16 rows also compiles spill-free on sm_90 (231 registers) but spills on gfx942/gfx950.
+CONFIG = LaunchConfig(block_h=64, block_n=16, num_warps=8, num_stages=2)
+# The CPU interpreter pays per operation, not per element: fewer, wider steps (same function; the online
+# softmax then rescales at other places, within the same bf16-P tolerance).
+INTERPRETER_BLOCK_N = 128
+BLOCK_H_MIN = 16
+# Decode has few tokens. First the heads of a token are spread over more programs (each reads the token's rows,
+# the repeats hit L2), down to BLOCK_H_MIN heads; if there are still fewer programs than SMs, the candidates are
+# split (split-KV: every split writes a [heads, 512] fp32 partial, so it only pays when SMs would idle), each
+# split keeping at least MIN_ROWS_PER_SPLIT candidates.
+MIN_ROWS_PER_SPLIT = 128
+MAX_SPLITS = 32
+MERGE_BLOCK_H = 16
+MERGE_NUM_WARPS = 4
+
+
+@triton.jit
+def _load_kv_tile(kv_ptr, kv_rope_ptr, kv_scale_ptr, rows, valid, stride_kv,
+                  PACKED: tl.constexpr, N_CHUNKS: tl.constexpr, NOPE_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+                  ROW_BYTES: tl.constexpr, ROPE_OFFSET: tl.constexpr, SCALE_OFFSET: tl.constexpr):
+    """Gather the rows `rows` (int64, masked by `valid`) as a `[BLOCK_N, N_CHUNKS * 64]` bf16 tile; empty slots
+    load zeros."""
+    if PACKED:
+        # Packed rows have the constant stride ROW_BYTES (a constexpr, so the compiler knows every row is
+        # 8-byte aligned and vectorizes the gathers). The NoPE bytes are loaded as [rows, chunks, 64]; chunk 7
+        # takes the 64 bf16 RoPE values instead. The product of an E4M3 value and a power of two is a bf16
+        # value, so the dequantized tile is exact.
+        chunks = tl.arange(0, N_CHUNKS)
+        cols = tl.arange(0, CHUNK)
+        is_nope = chunks < NOPE_CHUNKS
+        nope_ok = valid[:, None, None] & is_nope[None, :, None]
+        nope = tl.load(kv_ptr + rows[:, None, None] * ROW_BYTES + chunks[None, :, None] * CHUNK
+                       + cols[None, None, :], mask=nope_ok, other=0.0)
+        # one UE8M0 byte e per 64 NoPE dims: 2^(e - 127) is the fp32 with exponent field e (e >= 1 always)
+        e = tl.load(kv_scale_ptr + rows[:, None] * ROW_BYTES + SCALE_OFFSET + chunks[None, :],
+                    mask=valid[:, None] & is_nope[None, :], other=127)
+        scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        rope = tl.load(kv_rope_ptr + rows[:, None] * (ROW_BYTES // 2) + ROPE_OFFSET // 2 + cols[None, :],
+                       mask=valid[:, None], other=0.0)
+        nope = (nope.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16)
+        tile = tl.where(is_nope[None, :, None], nope, rope[:, None, :])
+        tile = tl.reshape(tile, (tile.shape[0], N_CHUNKS * CHUNK))
+    else:
+        cols = tl.arange(0, N_CHUNKS * CHUNK)
+        tile = tl.load(kv_ptr + rows[:, None] * stride_kv + cols[None, :], mask=valid[:, None], other=0.0)
+    return tile
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr, kv_ptr, kv_rope_ptr, kv_scale_ptr, idx_ptr, sink_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    T, H, K, rows_per_split, scale,
+    stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
+    PACKED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NOPE_DIM: tl.constexpr, CHUNK: tl.constexpr,
+    ROW_BYTES: tl.constexpr, ROPE_OFFSET: tl.constexpr, SCALE_OFFSET: tl.constexpr,
+):
+    """One program = one token x one block of heads x one split of the token's candidates."""
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    s = tl.program_id(2)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    cols = tl.arange(0, HEAD_DIM)
+    t64 = t.to(tl.int64)
+
+    # the block of queries: [BLOCK_H, 512] bf16
+    q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + cols[None, :],
+                mask=head_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+
+    k_begin = s * rows_per_split
+    k_end = tl.minimum(k_begin + rows_per_split, K)
+    for start in range(k_begin, k_end, BLOCK_N):
+        # gather the tile's row indices; -1 (and the tail past k_end) are empty slots
+        slots = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + t64 * stride_it + slots, mask=slots < k_end, other=-1)
+        valid = idx >= 0
+        rows = idx.to(tl.int64)
+        kv = _load_kv_tile(kv_ptr, kv_rope_ptr, kv_scale_ptr, rows, valid, stride_kv, PACKED,
+                           HEAD_DIM // CHUNK, NOPE_DIM // CHUNK, CHUNK, ROW_BYTES, ROPE_OFFSET, SCALE_OFFSET)
+
+        # S = scale * Q K^T in fp32, empty slots at -inf
+        z = tl.dot(q, tl.trans(kv)) * scale
+        z = tl.where(valid[None, :], z, float("-inf"))
+
+        # online softmax: new running max; a row with nothing valid yet keeps exp base 0 (no inf - inf)
+        m_new = tl.maximum(m_i, tl.max(z, axis=1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_base)
+        p = tl.exp(z - m_base[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        # the same rows as V; P rounded to bf16 before P V, fp32 accumulation
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), kv)
+        m_i = m_new
+
+    if SPLIT:
+        # partial results of this split: unnormalised accumulator and (max, sum)
+        part = (s.to(tl.int64) * T + t64) * H + heads
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + cols[None, :], acc, mask=head_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=head_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=head_ok)
+    else:
+        # the sink joins the denominator only: o = acc / (l + e^(sink - M)); no valid slot -> 0
+        sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0)
+        any_valid = m_i != float("-inf")
+        denom = l_i + tl.exp(sink - tl.where(any_valid, m_i, 0.0))
+        o = tl.where(any_valid[:, None], tl.math.div_rn(acc, denom[:, None]), 0.0)
+        tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + cols[None, :], o.to(tl.bfloat16),
+                 mask=head_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, T, H, n_splits, stride_ot, stride_oh,
+    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """Merge the splits of one (token, head block) in split order, then apply the sink."""
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    cols = tl.arange(0, HEAD_DIM)
+    t64 = t.to(tl.int64)
+
+    # global max over the splits
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(0, n_splits):
+        part = (s * T + t64) * H + heads
+        m = tl.maximum(m, tl.load(part_ml_ptr + part * 2, mask=head_ok, other=float("-inf")))
+    any_valid = m != float("-inf")
+    m_base = tl.where(any_valid, m, 0.0)
+
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    for s in range(0, n_splits):
+        part = (s * T + t64) * H + heads
+        m_s = tl.load(part_ml_ptr + part * 2, mask=head_ok, other=float("-inf"))
+        l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=head_ok, other=0.0)
+        w = tl.exp(m_s - m_base)  # 0 for a split with no valid slot
+        acc += w[:, None] * tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + cols[None, :],
+                                    mask=head_ok[:, None], other=0.0)
+        l += w * l_s
+
+    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0)
+    denom = l + tl.exp(sink - m_base)
+    o = tl.where(any_valid[:, None], tl.math.div_rn(acc, denom[:, None]), 0.0)
+    tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + cols[None, :], o.to(tl.bfloat16),
+             mask=head_ok[:, None])
+
+
+def _sm_count() -> int | None:
+    if not torch.cuda.is_available():
+        return None  # the interpreter: one program at a time, nothing to fill
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def plan(n_tokens: int, n_heads: int, n_candidates: int) -> tuple[int, int]:
+    """(heads per program, candidate splits) for a launch: 64 heads per program (16 at least, for tl.dot,
+    fewer heads are padded), halved while the programs do not fill the SMs, then split-KV if they still do not."""
+    heads = max(BLOCK_H_MIN, min(CONFIG.block_h, triton.next_power_of_2(n_heads)))
+    n_sms = _sm_count()
+    if n_sms is None:
+        return heads, 1
+    while heads > BLOCK_H_MIN and n_tokens * triton.cdiv(n_heads, heads) < n_sms:
+        heads //= 2
+    programs = n_tokens * triton.cdiv(n_heads, heads)
+    splits = max(1, min(triton.cdiv(n_sms, programs), n_candidates // MIN_ROWS_PER_SPLIT, MAX_SPLITS))
+    return heads, splits
+
+
+def sparse_attention(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float,
+    *, splits: int | None = None,
+) -> torch.Tensor:
+    """Triton sparse attention with sink over bf16 rows (inputs validated by `optimized.attention`).
+
+    Args:
+        q: [T, H, 512] bf16, last dim contiguous.
+        kv: [N, 512] bf16, last dim contiguous.
+        indices: [T, K] int32 rows of kv, -1 = empty slot; last dim contiguous.
+        sink: [H] fp32.
+        scale: logit scale (512^-0.5).
+        splits: split-KV factor; None = `plan`'s.
+
+    Returns:
+        [T, H, 512] bf16.
+    """
+    return _launch(q, (kv, kv, kv), indices, sink, scale, packed=False, splits=splits)
+
+
+def sparse_attention_packed(
+    q: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float,
+    *, fp8_dtype: torch.dtype, splits: int | None = None,
+) -> torch.Tensor:
+    """As `sparse_attention`, over [N, 584] uint8 packed cache rows (contiguous) whose NoPE bytes are `fp8_dtype`."""
+    views = (packed.view(fp8_dtype), packed.view(torch.bfloat16), packed)
+    return _launch(q, views, indices, sink, scale, packed=True, splits=splits)
+
+
+def _launch(
+    q: torch.Tensor, kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], indices: torch.Tensor,
+    sink: torch.Tensor, scale: float, *, packed: bool, splits: int | None,
+) -> torch.Tensor:
+    prepare_interpreter()
+    n_tokens, n_heads, _ = q.shape
+    n_candidates = indices.shape[1]
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    if n_tokens == 0:
+        return out
+    heads_per_program, planned_splits = plan(n_tokens, n_heads, n_candidates)
+    n_head_blocks = triton.cdiv(n_heads, heads_per_program)
+    splits = planned_splits if splits is None else splits
+    block_n = INTERPRETER_BLOCK_N if detect().interpret else CONFIG.block_n
+    # candidates per split: whole BLOCK_N tiles; then drop splits that would be empty
+    rows_per_split = triton.cdiv(triton.cdiv(max(n_candidates, 1), max(splits, 1)), block_n) * block_n
+    splits = triton.cdiv(max(n_candidates, 1), rows_per_split)
+    kv_main, kv_rope, kv_scale = kv_views
+    if splits > 1:
+        part_acc = torch.empty((splits, n_tokens, n_heads, HEAD_DIM), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((splits, n_tokens, n_heads, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = sink  # not read or written without splits
+    _sparse_attention_kernel[(n_tokens, n_head_blocks, splits)](
+        q, kv_main, kv_rope, kv_scale, indices, sink, out, part_acc, part_ml,
+        n_tokens, n_heads, n_candidates, rows_per_split, float(scale),
+        q.stride(0), q.stride(1), kv_main.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+        **_attention_constexprs(packed, splits > 1, heads_per_program, block_n),
+        num_warps=CONFIG.num_warps, num_stages=CONFIG.num_stages,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(n_tokens, triton.cdiv(n_heads, MERGE_BLOCK_H))](
+            part_acc, part_ml, sink, out, n_tokens, n_heads, splits, out.stride(0), out.stride(1),
+            BLOCK_H=MERGE_BLOCK_H, HEAD_DIM=HEAD_DIM, num_warps=MERGE_NUM_WARPS,
+        )
+    return out
+
+
+def _attention_signature(fp8: bool) -> dict[str, str]:
+    kv = "*{fp8}" if fp8 else "*bf16"
+    return {
+        "q_ptr": "*bf16", "kv_ptr": kv, "kv_rope_ptr": "*bf16", "kv_scale_ptr": "*u8" if fp8 else "*bf16",
+        "idx_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
+        "part_ml_ptr": "*fp32", "T": "i32", "H": "i32", "K": "i32", "rows_per_split": "i32", "scale": "fp32",
+        "stride_qt": "i32", "stride_qh": "i32", "stride_kv": "i32",
+        "stride_it": "i32", "stride_ot": "i32", "stride_oh": "i32",
+    }
+
+
+def _attention_constexprs(packed: bool, split: bool, heads_per_program: int, block_n: int = CONFIG.block_n
+                          ) -> dict[str, int | bool]:
+    return {"PACKED": packed, "SPLIT": split, "BLOCK_H": heads_per_program, "BLOCK_N": block_n,
+            "HEAD_DIM": HEAD_DIM, "NOPE_DIM": NOPE_DIM, "CHUNK": KV_SCALE_BLOCK, "ROW_BYTES": PACKED_ROW_BYTES,
+            "ROPE_OFFSET": PACKED_ROPE_OFFSET, "SCALE_OFFSET": PACKED_SCALE_OFFSET}
+
+
+_ALIGNED = ("q_ptr", "kv_ptr", "kv_rope_ptr", "kv_scale_ptr", "idx_ptr", "sink_ptr", "out_ptr", "part_acc_ptr",
+            "part_ml_ptr", "T", "H", "K", "rows_per_split", "stride_qt", "stride_qh", "stride_kv", "stride_it",
+            "stride_ot", "stride_oh")
+
+# FLASH / PRO launches: bf16 rows with 64 heads (prefill); packed rows with 64 heads (decode of many tokens) and
+# with 16 heads and split-KV (decode of few tokens); the merge.
+AOT_SPECS = [
+    AotSpec(f"sparse_attention[{'packed' if packed else 'bf16'},BLOCK_H={heads},split={split}]",
+            _sparse_attention_kernel, _attention_signature(packed), _attention_constexprs(packed, split, heads),
+            num_warps=CONFIG.num_warps, num_stages=CONFIG.num_stages, aligned=_ALIGNED)
+    for packed, heads, split in ((False, 64, False), (True, 64, False), (True, BLOCK_H_MIN, True))
+] + [
+    AotSpec("sparse_attention_merge", _merge_splits_kernel,
+            {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+             "T": "i32", "H": "i32", "n_splits": "i32", "stride_ot": "i32", "stride_oh": "i32"},
+            {"BLOCK_H": MERGE_BLOCK_H, "HEAD_DIM": HEAD_DIM}, num_warps=MERGE_NUM_WARPS,
+            aligned=("part_acc_ptr", "part_ml_ptr", "sink_ptr", "out_ptr", "T", "H", "stride_ot", "stride_oh")),
+]
