@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     progress.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--verbose", "-v", action="store_true", help="table rows for every result, not only failures")
     p.add_argument("--list", action="store_true", help="list the tasks that would run, run nothing")
+    p.add_argument("--bounds", action="store_true", help="print every tier and bound with its reason, run nothing")
     args = p.parse_args(argv)
     if args.backends:
         bad = sorted(set(args.backends) - set(BACKENDS))
@@ -132,23 +133,23 @@ def collect(args: argparse.Namespace, device: str, configs: list[str], suites: l
     import, say) becomes one error result and the others still run."""
     from parity_tests import bad_inputs, golden, invariance, probes
 
+    probe_suites = [s for s in suites if s in invariance.SUITES]
     builders: dict[str, Callable[[], list[Task]]] = {
         "parity": lambda: parity_tasks(configs, device, args.ops, args.backends, args.shapes),
         "golden": lambda: golden.tasks(args.ops, args.shapes),
-        "determinism": lambda: invariance.determinism_tasks(configs, device, args.ops, args.backends, args.shapes),
-        "batch_invariance": lambda: invariance.batch_tasks(configs, device, args.ops, args.backends, args.shapes),
-        "cuda_graph": lambda: invariance.cuda_graph_tasks(configs, device, args.ops, args.backends, args.shapes),
+        "invariance": lambda: invariance.tasks(probe_suites, configs, device, args.ops, args.backends, args.shapes),
         "bad_input": lambda: bad_inputs.tasks(device, args.ops, args.backends),
         "checkpoint": lambda: probes.checkpoint_tasks(args.checkpoint, args.layer, device, args.ops, args.backends),
     }
+    groups = [s for s in suites if s not in invariance.SUITES] + (["invariance"] if probe_suites else [])
     tasks: list[Task] = []
     errors: list[Result] = []
-    for suite in suites:
+    for group in groups:
         try:
-            tasks.extend(builders[suite]())
+            tasks.extend(builders[group]())
         except Exception as exc:  # reported, and the run goes on with the other suites
-            errors.append(Result(suite, "(collect)", ",".join(configs), "-", "-", 0, "-", "error",
-                                 reason=f"collecting the {suite} suite failed: {type(exc).__name__}: {exc}"))
+            errors.append(Result(group, "(collect)", ",".join(configs), "-", "-", 0, "-", "error",
+                                 reason=f"collecting the {group} suite(s) failed: {type(exc).__name__}: {exc}"))
     return tasks, errors
 
 
@@ -173,6 +174,10 @@ def run_tasks(tasks: list[Task], console: Console, show_progress: bool) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--distributed" in (sys.argv[1:] if argv is None else argv):  # sharded parity under torchrun (issue #7)
+        from parity_tests.distributed import main as distributed_main
+
+        return distributed_main(argv)
     args = parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=200)  # CI logs: no terminal, wide rows
 
@@ -186,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         report.print_comparison(comparison, console, args.threshold)
         return int(bool(comparison.worse))
 
+    if args.bounds:
+        report.print_bounds(console)
+        return 0
+
     from optimized.backends import BACKENDS, backend_status, detect
 
     hw = detect()
@@ -194,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.golden == "update":
         from parity_tests import golden
 
-        for line in golden.update(args.ops, args.shapes):
+        for line in golden.update(args.ops):
             console.print(line)
         return 0
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from parity_tests.cases import Check
+from parity_tests.cases import Check, NotRun
 from parity_tests.report import Task
 from parity_tests.tolerances import BAD_INPUT_CONTRACT
 
@@ -41,6 +41,7 @@ class BadInput:
         raises: the exact exception type expected (subclasses do not count), or None for a defined output.
         match: a fragment the message must contain.
         expect: for a defined output: output -> None when it is as documented, else what is wrong.
+        optimized_only: the rule concerns the optimized backends (not run where only the reference is).
     """
 
     id: str
@@ -50,6 +51,7 @@ class BadInput:
     raises: type[Exception] | None = None
     match: str = ""
     expect: Callable[[Any], str | None] | None = None
+    optimized_only: bool = False
 
     def __post_init__(self) -> None:
         if self.category not in CATEGORIES:
@@ -82,6 +84,8 @@ def violation(entry: BadInput, backend: str | None, device: str) -> str | None:
 
 
 def check(entry: BadInput, backend: str | None, device: str) -> list[Check]:
+    if entry.optimized_only and backend == "reference":
+        raise NotRun("concerns the optimized backends; none is available here")
     problem = violation(entry, backend, device)
     expected = (f"{entry.raises.__name__}: ...{entry.match}..." if entry.raises is not None
                 else "the defined output")
@@ -192,18 +196,396 @@ def _formats_entries() -> list[BadInput]:
 
 
 def _backend_entries() -> list[BadInput]:
+    import os
+
     from optimized import backends
+
+    def with_env(value: str) -> Any:
+        old = os.environ.get("DSV4_BACKEND")
+        os.environ["DSV4_BACKEND"] = value
+        try:
+            return backends.select("fp8_einsum")
+        finally:
+            if old is None:
+                del os.environ["DSV4_BACKEND"]
+            else:
+                os.environ["DSV4_BACKEND"] = old
 
     return [
         BadInput("backends/unknown_backend_name", "backend_status", "backend",
                  lambda b, d: backends.backend_status("cuda"), ValueError, "backend: expected one of"),
         BadInput("backends/unknown_op", "select", "backend",
                  lambda b, d: backends.select("no_such_op"), ValueError, "op: unknown op 'no_such_op'"),
+        BadInput("backends/bad_DSV4_BACKEND", "select", "backend", lambda b, d: with_env("rocm"),
+                 ValueError, "DSV4_BACKEND: expected one of"),
     ]
 
 
+# ------------------------------------------------------------------------------------------------
+# FP8 einsum, attention-output quantization, output projection, FP8 linear (TINY shapes)
+# ------------------------------------------------------------------------------------------------
+
+
+def _einsum_inputs(d: str, fmt: str = "e4m3fn", tokens: int = 3) -> dict[str, Any]:
+    """Valid TINY `fp8_einsum('bhr,hdr->bhd')` operands on device `d`."""
+    from reference.config import TINY
+    from reference.formats import quantize_per_token
+    from reference.weights import random_fp8_weight
+
+    g = torch.Generator().manual_seed(0)
+    h, r, n = TINY.o_groups, TINY.o_group_dim, TINY.o_lora_rank
+    w = random_fp8_weight(n, r, fmt=fmt, generator=g, batch=(h,))
+    a, sa = quantize_per_token(torch.randn(tokens, h, r, generator=g).to(torch.bfloat16), 128, fmt)
+    return {"a": a.to(d), "sa": sa.to(d), "w": w.data.to(d), "sw": w.scale.to(d)}
+
+
+def _einsum(backend: str | None, d: str, *, expr: str = "bhr,hdr->bhd", recipe: Any = (1, 128, 128),
+            out: torch.Tensor | None = None, **change: Any) -> Any:
+    import optimized
+
+    i = {**_einsum_inputs(d), **change}
+    return optimized.fp8_einsum(expr, (i["a"], i["sa"]), (i["w"], i["sw"]), out, recipe=recipe, backend=backend)
+
+
+def _einsum_entries() -> list[BadInput]:
+    def nan_scale(d: str) -> torch.Tensor:
+        sa = _einsum_inputs(d)["sa"].clone()
+        sa[1] = float("nan")
+        return sa
+
+    def mixed_formats(d: str) -> dict[str, Any]:
+        fnuz = _einsum_inputs(d, "e4m3fnuz")
+        return {"w": fnuz["w"], "sw": fnuz["sw"]}
+
+    op = "fp8_einsum"
+    return [
+        BadInput("fp8_einsum/a_not_fp8", op, "dtype",
+                 lambda b, d: _einsum(b, d, a=_einsum_inputs(d)["a"].to(torch.bfloat16)),
+                 TypeError, "a[0]: expected float8_e4m3fn or float8_e4m3fnuz data"),
+        BadInput("fp8_einsum/scale_not_fp32", op, "scale_layout",
+                 lambda b, d: _einsum(b, d, sa=_einsum_inputs(d)["sa"].to(torch.bfloat16)),
+                 TypeError, "a[1]: expected float32 power-of-two scales"),
+        BadInput("fp8_einsum/scale_per_64_not_128", op, "scale_layout",
+                 lambda b, d: _einsum(b, d, sa=_einsum_inputs(d)["sa"].repeat_interleave(2, dim=-1)),
+                 ValueError, "a[1]: expected scale shape (3, 2, 16)"),
+        BadInput("fp8_einsum/weight_scale_per_row", op, "scale_layout",
+                 lambda b, d: _einsum(b, d, sw=_einsum_inputs(d)["sw"].repeat_interleave(128, dim=1)),
+                 ValueError, "b[1]: expected scale shape (2, 2, 16)"),
+        BadInput("fp8_einsum/mixed_fp8_formats", op, "fp8_format",
+                 lambda b, d: _einsum(b, d, **mixed_formats(d)),
+                 TypeError, "b[0]: expected the same FP8 format as a[0]"),
+        BadInput("fp8_einsum/unknown_expression", op, "shape",
+                 lambda b, d: _einsum(b, d, expr="bhr,hrd->bhd"), ValueError, "expr: expected one of"),
+        BadInput("fp8_einsum/unknown_recipe", op, "scale_layout",
+                 lambda b, d: _einsum(b, d, recipe=(1, 128, 64)), ValueError, "recipe: expected one of"),
+        BadInput("fp8_einsum/reduction_dims_differ", op, "shape",
+                 lambda b, d: _einsum(b, d, w=_einsum_inputs(d)["w"][..., :1024],
+                                      sw=_einsum_inputs(d)["sw"][..., :8]),
+                 ValueError, "b[0]: expected shape (2, 256, 2048)"),
+        BadInput("fp8_einsum/a_not_a_pair", op, "layout",
+                 lambda b, d: __import__("optimized").fp8_einsum("bhr,hdr->bhd", _einsum_inputs(d)["a"],
+                                                                 (_einsum_inputs(d)["w"], _einsum_inputs(d)["sw"]),
+                                                                 backend=b),
+                 TypeError, "a: expected a (data, scale) pair of tensors"),
+        BadInput("fp8_einsum/weight_on_another_device", op, "device",
+                 lambda b, d: _einsum(b, d, w=_einsum_inputs(other_device(d))["w"],
+                                      sw=_einsum_inputs(other_device(d))["sw"]),
+                 ValueError, "b[0]: on "),
+        BadInput("fp8_einsum/out_fp16", op, "dtype",
+                 lambda b, d: _einsum(b, d, out=torch.empty(3, 2, 256, dtype=torch.float16, device=d)),
+                 TypeError, "out: expected bfloat16 or float32"),
+        BadInput("fp8_einsum/unsupported_backend_name", op, "backend",
+                 lambda b, d: _einsum("cuda", d), ValueError, "backend: expected one of"),
+        BadInput("fp8_einsum/empty_batch", op, "empty",
+                 lambda b, d: _einsum(b, d, a=_einsum_inputs(d)["a"][:0], sa=_einsum_inputs(d)["sa"][:0]),
+                 expect=empty_output((0, 2, 256))),
+        BadInput("fp8_einsum/nan_scale_confined_to_its_token", op, "nonfinite",
+                 lambda b, d: _einsum(b, d, sa=nan_scale(d)), expect=nan_confined_to_rows([1])),
+    ]
+
+
+def _attn_output_inputs(d: str, tokens: int = 4) -> dict[str, Any]:
+    from reference.config import TINY
+    from reference.rope import yarn_frequencies
+
+    g = torch.Generator().manual_seed(1)
+    return {"o": torch.randn(tokens, TINY.n_heads, TINY.head_dim, generator=g).to(torch.bfloat16).to(d),
+            "positions": torch.arange(100, 100 + tokens).to(d), "freqs": yarn_frequencies(TINY, 4).to(d)}
+
+
+def _with_nan_token(o: torch.Tensor, token: int) -> torch.Tensor:
+    o = o.clone()
+    o[token, 0, 0] = float("nan")
+    return o
+
+
+def _quantize_attn_output(b: str | None, d: str, *, n_groups: int = 2, fmt: str = "e4m3fn", **change: Any) -> Any:
+    import optimized
+
+    i = {**_attn_output_inputs(d), **change}
+    return optimized.quantize_attn_output(i["o"], i["positions"], i["freqs"], n_groups=n_groups, fmt=fmt, backend=b)
+
+
+def _quantize_attn_output_entries() -> list[BadInput]:
+    op = "quantize_attn_output"
+    o = lambda d: _attn_output_inputs(d)["o"]
+    return [
+        BadInput("quantize_attn_output/o_fp32", op, "dtype", lambda b, d: _quantize_attn_output(b, d, o=o(d).float()),
+                 TypeError, "o: expected bfloat16 attention output"),
+        BadInput("quantize_attn_output/o_2d", op, "shape", lambda b, d: _quantize_attn_output(b, d, o=o(d)[0]),
+                 ValueError, "o: expected [T, H, head_dim]"),
+        BadInput("quantize_attn_output/positions_float", op, "dtype",
+                 lambda b, d: _quantize_attn_output(b, d, positions=torch.zeros(4, device=d)),
+                 TypeError, "positions: expected int32 or int64"),
+        BadInput("quantize_attn_output/positions_one_short", op, "shape",
+                 lambda b, d: _quantize_attn_output(b, d, positions=torch.arange(3, device=d)),
+                 ValueError, "positions: expected shape (4,)"),
+        BadInput("quantize_attn_output/groups_do_not_divide_heads", op, "shape",
+                 lambda b, d: _quantize_attn_output(b, d, n_groups=3),
+                 ValueError, "n_groups: expected a positive int dividing the 8 heads"),
+        BadInput("quantize_attn_output/fp8_format_e5m2", op, "fp8_format",
+                 lambda b, d: _quantize_attn_output(b, d, fmt="e5m2"), ValueError, "fmt: expected one of"),
+        BadInput("quantize_attn_output/freqs_on_another_device", op, "device",
+                 lambda b, d: _quantize_attn_output(b, d, freqs=_attn_output_inputs(other_device(d))["freqs"]),
+                 ValueError, "freqs: on "),
+        BadInput("quantize_attn_output/empty_tokens", op, "empty",
+                 lambda b, d: _quantize_attn_output(b, d, o=o(d)[:0], positions=torch.arange(0, device=d)),
+                 expect=empty_output((0, 2, 2048))),
+        BadInput("quantize_attn_output/nan_confined_to_its_token", op, "nonfinite",
+                 lambda b, d: _quantize_attn_output(b, d, o=_with_nan_token(o(d), 2)),
+                 expect=nan_confined_to_rows([2])),
+    ]
+
+
+def _weights(d: str, fmt: str = "e4m3fn") -> tuple[Any, Any]:
+    from reference.config import TINY
+    from reference.weights import random_fp8_weight
+
+    g = torch.Generator().manual_seed(2)
+    n = TINY.o_groups * TINY.o_lora_rank
+    return (random_fp8_weight(n, TINY.o_group_dim, fmt=fmt, generator=g, device=d),
+            random_fp8_weight(TINY.dim, n, fmt=fmt, generator=g, device=d))
+
+
+def _output_projection(b: str | None, d: str, *, numerics: Any = None, **change: Any) -> Any:
+    import optimized
+    from reference.numerics import VLLM_NVIDIA
+
+    wo_a, wo_b = _weights(d)
+    i = {**_attn_output_inputs(d), "wo_a": wo_a, "wo_b": wo_b, **change}
+    return optimized.output_projection(i["o"], i["positions"], i["freqs"], i["wo_a"], i["wo_b"],
+                                       VLLM_NVIDIA if numerics is None else numerics, backend=b)
+
+
+def _output_projection_entries() -> list[BadInput]:
+    from reference.numerics import OFFICIAL, VLLM_NVIDIA
+
+    op = "output_projection"
+    return [
+        BadInput("output_projection/wo_a_plain_tensor", op, "dtype",
+                 lambda b, d: _output_projection(b, d, wo_a=_weights(d)[0].dequantize()),
+                 TypeError, "wo_a: expected an Fp8Weight"),
+        BadInput("output_projection/numerics_by_name", op, "value",
+                 lambda b, d: _output_projection(b, d, numerics="vllm_nvidia"),
+                 TypeError, "numerics: expected a Numerics"),
+        BadInput("output_projection/wo_b_k_mismatch", op, "shape",
+                 lambda b, d: _output_projection(b, d, wo_b=_weights(d)[1].__class__(
+                     _weights(d)[1].data[:, :256], _weights(d)[1].scale[:, :2])),
+                 ValueError, "wo_b: expected K = G*R = 512"),
+        BadInput("output_projection/wo_a_fnuz_with_e4m3fn_numerics", op, "fp8_format",
+                 lambda b, d: _output_projection(b, d, wo_a=_weights(d, "e4m3fnuz")[0]),
+                 TypeError, "wo_a: stored as torch.float8_e4m3fnuz"),
+        BadInput("output_projection/official_bf16_einsum_on_an_optimized_backend", op, "value",
+                 lambda b, d: _output_projection(b, d, numerics=OFFICIAL.replace(fp8_format=VLLM_NVIDIA.fp8_format)),
+                 ValueError, "is implemented by the reference backend only", optimized_only=True),
+        BadInput("output_projection/nan_confined_to_its_token", op, "nonfinite",
+                 lambda b, d: _output_projection(b, d, o=_with_nan_token(_attn_output_inputs(d)["o"], 1)),
+                 expect=nan_confined_to_rows([1])),
+    ]
+
+
+def _fp8_linear(b: str | None, d: str, *, numerics: Any = None, **change: Any) -> Any:
+    import optimized
+    from reference.numerics import OFFICIAL
+    from reference.weights import random_fp8_weight
+
+    g = torch.Generator().manual_seed(3)
+    i = {"x": torch.randn(4, 256, generator=g).to(torch.bfloat16).to(d),
+         "weight": random_fp8_weight(128, 256, generator=g, device=d), **change}
+    return optimized.fp8_linear(i["x"], i["weight"], OFFICIAL if numerics is None else numerics, backend=b)
+
+
+def _fp8_linear_entries() -> list[BadInput]:
+    from reference.numerics import OFFICIAL
+    from reference.weights import random_fp8_weight
+
+    op = "fp8_linear"
+    x = lambda d: torch.randn(4, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(d)
+
+    def nan_row(d: str) -> torch.Tensor:
+        out = x(d)
+        out[3, 17] = float("nan")
+        return out
+
+    return [
+        BadInput("fp8_linear/x_fp32", op, "dtype", lambda b, d: _fp8_linear(b, d, x=x(d).float()),
+                 TypeError, "x: expected bfloat16 activations"),
+        BadInput("fp8_linear/weight_plain_tensor", op, "dtype",
+                 lambda b, d: _fp8_linear(b, d, weight=torch.zeros(128, 256, device=d)),
+                 TypeError, "weight: expected an Fp8Weight"),
+        BadInput("fp8_linear/k_mismatch", op, "shape", lambda b, d: _fp8_linear(b, d, x=x(d)[:, :128]),
+                 ValueError, "x: last dim must be the weight's K = 256"),
+        BadInput("fp8_linear/weight_fnuz_with_e4m3fn_numerics", op, "fp8_format",
+                 lambda b, d: _fp8_linear(b, d, weight=random_fp8_weight(128, 256, fmt="e4m3fnuz", device=d)),
+                 TypeError, "weight: stored as torch.float8_e4m3fnuz"),
+        BadInput("fp8_linear/unquantized_activations_on_an_optimized_backend", op, "value",
+                 lambda b, d: _fp8_linear(b, d, numerics=OFFICIAL.replace(act_quant=False)),
+                 ValueError, "numerics: act_quant=False", optimized_only=True),
+        BadInput("fp8_linear/weight_on_another_device", op, "device",
+                 lambda b, d: _fp8_linear(b, d, weight=random_fp8_weight(128, 256, device=other_device(d))),
+                 ValueError, "weight: on "),
+        BadInput("fp8_linear/nan_confined_to_its_token", op, "nonfinite",
+                 lambda b, d: _fp8_linear(b, d, x=nan_row(d)), expect=nan_confined_to_rows([3])),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE: route, experts, moe (TINY; layer 3 routes by biased top-k, layer 0 by token id)
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def _moe_weights(layer: int, expert_format: str, fmt: str, device: str) -> Any:
+    from reference.config import TINY
+    from reference.moe import random_moe_weights
+
+    return random_moe_weights(TINY, layer, expert_format=expert_format, fmt=fmt,
+                              generator=torch.Generator().manual_seed(5), device=device)
+
+
+def _moe_x(d: str, tokens: int = 4) -> torch.Tensor:
+    return torch.randn(tokens, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(d)
+
+
+def _route(backend: str | None, d: str, *, layer: int = 3, **change: Any) -> Any:
+    import optimized
+    from reference.config import TINY
+
+    w = _moe_weights(layer, "fp8", "e4m3fn", d)
+    token_ids = torch.tensor([1, 2, 3, 4], device=d) if layer == 0 else None
+    i = {"x": _moe_x(d), "gate": w.gate, "bias": w.bias, "token_ids": token_ids, "tid2eid": w.tid2eid,
+         "cfg": TINY, **change}
+    return optimized.route(i["x"], i["gate"], i["bias"], token_ids=i["token_ids"], tid2eid=i["tid2eid"],
+                           cfg=i["cfg"], backend=backend)
+
+
+def _experts(backend: str | None, d: str, *, numerics: Any = None, **change: Any) -> Any:
+    import optimized
+    from reference.numerics import OFFICIAL
+
+    w = _moe_weights(3, "fp8", "e4m3fn", d)
+    i = {"x": _moe_x(d), "ids": _experts_ids(d), "weights": torch.full((4, 6), 0.25, device=d), "w13": w.w13,
+         "w2": w.w2, **change}
+    return optimized.experts(i["x"], i["ids"], i["weights"], i["w13"], i["w2"], swiglu_limit=10.0,
+                             numerics=OFFICIAL if numerics is None else numerics, backend=backend)
+
+
+def _moe(backend: str | None, d: str, *, layer: int = 3, expert_format: str = "fp8", **change: Any) -> Any:
+    import optimized
+    from reference.config import TINY
+    from reference.numerics import OFFICIAL
+
+    i = {"x": _moe_x(d), "weights": _moe_weights(layer, expert_format, "e4m3fn", d),
+         "token_ids": torch.tensor([1, 2, 3, 4], device=d) if layer == 0 else None, "cfg": TINY, **change}
+    return optimized.moe(i["x"], i["weights"], token_ids=i["token_ids"], cfg=i["cfg"], numerics=OFFICIAL,
+                         backend=backend)
+
+
+def _moe_entries() -> list[BadInput]:
+    from reference.weights import Fp8Weight
+
+    def w(d: str, layer: int = 3, expert_format: str = "fp8", fmt: str = "e4m3fn") -> Any:
+        return _moe_weights(layer, expert_format, fmt, d)
+
+    def nan_token(d: str) -> torch.Tensor:
+        x = _moe_x(d)
+        x[2, 5] = float("nan")
+        return x
+
+    def strided_w13(d: str) -> Any:  # same values, data no longer contiguous
+        data = w(d).w13.data
+        return Fp8Weight(data.transpose(1, 2).contiguous().transpose(1, 2), w(d).w13.scale)
+
+    def all_skipped_row(d: str) -> torch.Tensor:
+        ids = _experts_ids(d).clone()
+        ids[1] = -1
+        return ids
+
+    def token_one_is_zero(out: Any) -> str | None:
+        return None if bool((out[1] == 0).all()) else "a token whose every slot is -1 has a non-zero output"
+
+    return [
+        BadInput("route/x_fp32", "route", "dtype", lambda b, d: _route(b, d, x=_moe_x(d).float()),
+                 ValueError, "x: expected [T, D] bf16"),
+        BadInput("route/x_last_dim_strided", "route", "layout",
+                 lambda b, d: _route(b, d, x=_moe_x(d).t().contiguous().t()),
+                 ValueError, "x: the last dim must be contiguous"),
+        BadInput("route/gate_shape", "route", "shape", lambda b, d: _route(b, d, gate=w(d).gate[:8]),
+                 ValueError, "gate_weight: expected shape (16, 256)"),
+        BadInput("route/gate_on_another_device", "route", "device",
+                 lambda b, d: _route(b, d, gate=w(d).gate.to(other_device(d))),
+                 ValueError, "gate_weight: expected a tensor on"),
+        BadInput("route/non_hash_layer_without_bias", "route", "value", lambda b, d: _route(b, d, bias=None),
+                 ValueError, "bias: a non-hash layer needs [16] fp32"),
+        BadInput("route/hash_layer_without_token_ids", "route", "value",
+                 lambda b, d: _route(b, d, layer=0, token_ids=None),
+                 ValueError, "token_ids: hash layers route by token id"),
+        BadInput("route/token_id_outside_the_vocabulary", "route", "range",
+                 lambda b, d: _route(b, d, layer=0, token_ids=torch.tensor([1, 2, 512, 4], device=d)),
+                 ValueError, "token_ids: every id must be in [0, 512)"),
+        BadInput("route/tid2eid_float", "route", "dtype",
+                 lambda b, d: _route(b, d, layer=0, tid2eid=w(d, 0).tid2eid.float()),
+                 ValueError, "tid2eid: expected [vocab, 6] int32/int64"),
+        BadInput("route/tid2eid_expert_out_of_range", "route", "range",
+                 lambda b, d: _route(b, d, layer=0, tid2eid=w(d, 0).tid2eid + 16),
+                 ValueError, "tid2eid: rows of these tokens hold expert ids outside [0, 16)"),
+        BadInput("experts/expert_id_out_of_range", "experts", "range",
+                 lambda b, d: _experts(b, d, ids=_experts_ids(d) + 4),
+                 ValueError, "topk_ids: expected values in [-1, 16)"),
+        BadInput("experts/weights_shape", "experts", "shape",
+                 lambda b, d: _experts(b, d, weights=torch.full((4, 5), 0.25, device=d)),
+                 ValueError, "topk_weights: expected (4, 6) floating point"),
+        BadInput("experts/mixed_expert_formats", "experts", "dtype",
+                 lambda b, d: _experts(b, d, w2=w(d, 3, "fp4").w2), TypeError, "w13, w2: expected the same format"),
+        BadInput("experts/fnuz_weights_with_e4m3fn_numerics", "experts", "fp8_format",
+                 lambda b, d: _experts(b, d, w13=w(d, 3, "fp8", "e4m3fnuz").w13, w2=w(d, 3, "fp8", "e4m3fnuz").w2),
+                 ValueError, "w13: FP8 weights in torch.float8_e4m3fnuz do not match numerics.fp8_format"),
+        BadInput("experts/weight_not_contiguous", "experts", "layout", lambda b, d: _experts(b, d, w13=strided_w13(d)),
+                 ValueError, "w13.data: expected a contiguous tensor"),
+        BadInput("experts/all_slots_skipped_gives_zero", "experts", "range",
+                 lambda b, d: _experts(b, d, ids=all_skipped_row(d)), expect=token_one_is_zero),
+        BadInput("moe/weights_not_moe_weights", "moe", "dtype", lambda b, d: _moe(b, d, weights=w(d).w13),
+                 TypeError, "weights: expected MoEWeights"),
+        BadInput("moe/cfg_by_name", "moe", "value", lambda b, d: _moe(b, d, cfg="TINY"),
+                 TypeError, "cfg: expected DSv4Config"),
+        BadInput("moe/empty_tokens", "moe", "empty", lambda b, d: _moe(b, d, x=_moe_x(d)[:0]),
+                 expect=empty_output((0, 256))),
+        BadInput("moe/nan_confined_to_its_token", "moe", "nonfinite", lambda b, d: _moe(b, d, x=nan_token(d)),
+                 expect=nan_confined_to_rows([2])),
+        BadInput("moe/nan_confined_to_its_token_hash_layer_fp4", "moe", "nonfinite",
+                 lambda b, d: _moe(b, d, layer=0, expert_format="fp4", x=nan_token(d)),
+                 expect=nan_confined_to_rows([2])),
+    ]
+
+
+def _experts_ids(d: str) -> torch.Tensor:
+    return torch.tensor([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 0, 1], [2, 4, 6, 8, 10, 12]],
+                        dtype=torch.int32, device=d)
+
+
 def _corpus() -> list[BadInput]:
-    entries = [*_formats_entries(), *_backend_entries()]
+    entries = [*_formats_entries(), *_backend_entries(), *_einsum_entries(), *_quantize_attn_output_entries(),
+               *_output_projection_entries(), *_fp8_linear_entries(), *_moe_entries()]
     ids = [e.id for e in entries]
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:

@@ -40,10 +40,18 @@ def _require_deterministic(probe: Probe, backend: str) -> None:
         raise NotRun(f"{backend} registers {probe.op} as non-deterministic ({impl.note or 'no reason given'})")
 
 
+@functools.lru_cache(maxsize=1)
+def _first_run(probe: Probe, backend: str, device: str) -> tuple[torch.Tensor, ...]:
+    """The probe's outputs on its own inputs, shared by the determinism and batch checks of one probe (they run
+    back to back; the Triton interpreter makes every call count)."""
+    return tuple(t.clone() for t in probe.run(backend, device))
+
+
 def check_rerun(probe: Probe, backend: str, device: str) -> list[Check]:
     """The same inputs twice (built afresh each time, so stateful calls start equal): bitwise equal."""
+    probe.require(backend)
     _require_deterministic(probe, backend)
-    first = [t.clone() for t in probe.run(backend, device)]
+    first = list(_first_run(probe, backend, device))
     second = probe.run(backend, device)
     n, detail = _mismatches(first, second)
     return [Check("rerun_bitwise_equal", BITWISE, n, detail)]
@@ -53,10 +61,11 @@ def check_batch(probe: Probe, backend: str, device: str) -> list[Check]:
     """The probe alone vs the probe joined with other tokens / sequences: its outputs bitwise equal."""
     if probe.join is None:
         raise NotRun(f"{probe.op} has no batch dimension")
+    probe.require(backend)
     _require_deterministic(probe, backend)
-    alone = [t.clone() for t in probe.run(backend, device)]
+    alone = list(_first_run(probe, backend, device))
     joined, extract = probe.join(probe.make(device, 0), probe.make(device, 1))
-    together = as_tensors(extract(probe.call(joined, backend)))
+    together = as_tensors(extract(probe.call(probe.ready(joined, backend), backend)))
     n, detail = _mismatches(alone, together)
     return [Check("batch_invariant_bitwise_equal", BITWISE, n, detail)]
 
@@ -87,10 +96,11 @@ def check_cuda_graph(probe: Probe, backend: str, device: str) -> list[Check]:
     """No host sync in an eager call; capture, replay == eager; new inputs copied in, replay == their eager."""
     if device != "cuda" or not torch.cuda.is_available():
         raise NotRun("CUDA-graph capture needs a GPU (torch.cuda.is_available() is False)")
+    probe.require(backend)
     eager = [t.clone() for t in probe.run(backend, device)]  # also compiles every kernel (warm-up)
     torch.cuda.synchronize()
 
-    inputs = probe.make(device, 0)
+    inputs = probe.inputs(backend, device, 0)
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -102,7 +112,7 @@ def check_cuda_graph(probe: Probe, backend: str, device: str) -> list[Check]:
         torch.cuda.set_sync_debug_mode(previous)
     checks = [Check("no_host_sync", BITWISE, syncs, sync_detail)]
 
-    static = probe.make(device, 0)
+    static = probe.inputs(backend, device, 0)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs recommends
@@ -117,9 +127,9 @@ def check_cuda_graph(probe: Probe, backend: str, device: str) -> list[Check]:
     n, detail = _mismatches(eager, captured)
     checks.append(Check("graph_replay_equals_eager", BITWISE, n, detail))
 
-    fresh = probe.make(device, 1)
+    fresh = probe.inputs(backend, device, 2)
     if _copy_into(static, fresh):  # stateless calls: replay on new data in the same buffers
-        expect = [t.clone() for t in probe.run(backend, device, variant=1)]
+        expect = [t.clone() for t in probe.run(backend, device, variant=2)]
         graph.replay()
         torch.cuda.synchronize()
         n, detail = _mismatches(expect, captured)
@@ -127,22 +137,30 @@ def check_cuda_graph(probe: Probe, backend: str, device: str) -> list[Check]:
     return checks
 
 
-def _tasks(suite: str, check: Callable[[Probe, str, str], list[Check]], keep: Callable[[Probe], bool],
-           candidates: tuple[str, ...], configs: list[str], device: str, ops: list[str] | None,
-           backends: list[str] | None, shapes: list[str] | None) -> list[Task]:
-    tasks = []
+# suite -> (check, which probes it applies to, which backends)
+SUITES: dict[str, tuple[Callable[[Probe, str, str], list[Check]], Callable[[Probe], bool], tuple[str, ...]]] = {
+    "determinism": (check_rerun, lambda p: True, BACKENDS),
+    "batch_invariance": (check_batch, lambda p: p.join is not None, BACKENDS),
+    # the reference is free to synchronize (it is eager PyTorch); the claim is about the optimized backends
+    "cuda_graph": (check_cuda_graph, lambda p: p.decode, ("triton", "deepgemm")),
+}
+
+
+def tasks(suites: list[str], configs: list[str], device: str, ops: list[str] | None, backends: list[str] | None,
+          shapes: list[str] | None) -> list[Task]:
+    """The tasks of `suites` (of SUITES), probe by probe and backend by backend, so that the checks of one probe
+    on one backend run back to back (they share its first run)."""
+    out = []
     for config in configs:
         for probe in all_probes(config, device, ops):
-            if not keep(probe) or not shape_matches(probe.shape, shapes):
+            if not probe.invariance or not shape_matches(probe.shape, shapes):
                 continue
-            for backend in (b for b in candidates if backends is None or b in backends):
-                tasks.append(Task(suite, probe.op, probe.config, probe.shape, probe.fmt, probe.seed, backend,
-                                  functools.partial(check, probe, backend, device), registry_op=probe.op))
-    return tasks
-
-
-determinism_tasks = functools.partial(_tasks, "determinism", check_rerun, lambda p: True, BACKENDS)
-batch_tasks = functools.partial(_tasks, "batch_invariance", check_batch, lambda p: p.join is not None, BACKENDS)
-# The reference is free to synchronize (it is eager PyTorch); the claim is about the optimized backends.
-cuda_graph_tasks = functools.partial(_tasks, "cuda_graph", check_cuda_graph, lambda p: p.decode,
-                                     ("triton", "deepgemm"))
+            for backend in BACKENDS:
+                if backends is not None and backend not in backends:
+                    continue
+                for suite in suites:
+                    check, keep, candidates = SUITES[suite]
+                    if keep(probe) and backend in candidates:
+                        out.append(Task(suite, probe.op, probe.config, probe.shape, probe.fmt, probe.seed, backend,
+                                        functools.partial(check, probe, backend, device), registry_op=probe.op))
+    return out

@@ -374,17 +374,32 @@ def _check_text(r: Result) -> str:
 
 
 def print_table(results: list[Result], console: Console, verbose: bool = False) -> None:
-    """Every parity row; for the other suites, rows that did not pass (all rows with `verbose`); then a
-    summary by suite and status."""
+    """Every parity row and every row of another suite that did not pass (all rows with `verbose`), then a
+    summary by suite and status. Without `verbose`, not-run rows of one suite and backend that share their
+    reason are folded into one row listing the cases."""
     shown = [r for r in results if verbose or r.suite == "parity" or r.status != "pass"]
-    if shown:
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    folded: dict[tuple[str, str, str], list[Result]] = {}
+    for r in shown:
+        if r.status == "not_run" and not verbose:
+            folded.setdefault((r.suite, r.backend, r.reason), []).append(r)
+            if len(folded[(r.suite, r.backend, r.reason)]) > 1:
+                continue
+        rows.append((r.suite, r.case_id, r.backend, f"[{_STYLE[r.status]}]{_escape(_status_text(r))}[/]",
+                     _escape(_check_text(r)), f"{r.seconds:.2f}"))
+    for (suite, backend, reason), group in folded.items():
+        if len(group) > 1:
+            i = next(k for k, row in enumerate(rows) if row[0] == suite and row[2] == backend
+                     and row[1] == group[0].case_id)
+            names = ", ".join(r.case_id for r in group[:3]) + (", ..." if len(group) > 3 else "")
+            rows[i] = (suite, _escape(f"{len(group)} cases: {names}"), backend,
+                       f"[{_STYLE['not_run']}]{_escape('not run: ' + reason)}[/]", "", "")
+    if rows:
         table = Table(title="dsv4-parity: backends vs the reference", show_lines=False)
         for col in ("suite", "case", "backend", "status", "worst check (value / bound)", "s"):
             table.add_column(col, overflow="fold")
-        for r in shown:
-            table.add_row(r.suite, _escape(f"{r.op}[{r.config},{r.shape},{r.fmt}]"), r.backend,
-                          f"[{_STYLE[r.status]}]{_escape(_status_text(r))}[/]", _escape(_check_text(r)),
-                          f"{r.seconds:.2f}")
+        for row in rows:
+            table.add_row(*row)
         console.print(table)
     summary = Table(title="summary")
     summary.add_column("suite")
@@ -404,6 +419,19 @@ def _escape(text: str) -> str:
     from rich.markup import escape
 
     return escape(text)
+
+
+def print_bounds(console: Console) -> None:
+    """Every `Bound` of `tolerances.py`: name, tier, metric, value and the reason it is that value."""
+    from parity_tests import tolerances
+
+    table = Table(title="tiers and bounds (parity_tests/tolerances.py)")
+    for col in ("bound", "tier", "metric", "value", "why"):
+        table.add_column(col, overflow="fold")
+    for name, b in vars(tolerances).items():
+        if isinstance(b, tolerances.Bound):
+            table.add_row(name, b.tier, _escape(b.metric), f"{b.value:g}", _escape(b.reason))
+    console.print(table)
 
 
 def exit_code(results: list[Result]) -> int:
