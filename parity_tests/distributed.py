@@ -17,12 +17,13 @@ Ops:
   * moe_ep: expert parallelism. Routing replicated (every rank routes every token), rank r runs its
     experts [r*E/W, (r+1)*E/W) on the (token, slot) pairs routed to them, the fp32 partials are all-reduced,
     the replicated shared expert is added after the reduction. The optimized backends run it through the
-    public `optimized.moe.route` / `optimized.moe.experts` (the MegaMoE boundary, which returns bf16: their
+    public `optimized.route` / `optimized.experts` (the MegaMoE boundary, which returns bf16: their
     per-rank partials are bf16-rounded, like MegaMoE's and DeepEP's combine); their shared expert is
     `experts` with one expert, weight 1, on every token (the same SwiGLU, spec §5.3).
   * attention_tp: tensor parallelism. Rank r runs the unchanged attention layer (reference or
-    `optimized.attention.Attention`) with its heads and `wo_a` groups (`shard_attention_weights`): a prefill
-    of a batch of sequences of different lengths, then one decode step per sequence from its own cache.
+    `optimized.Attention`) with its heads and `wo_a` groups (`shard_attention_weights`): a prefill
+    of a batch of sequences of different lengths, then one decode step per sequence from its own cache. The
+    numerics take the FP8 `wo_a` path (the optimized layer implements that one) on both sides.
     W must divide `o_groups`; where the config's groups are too few (TINY has 2), the case runs on
     `attention_config(cfg, W)`: the config with `o_groups = W` and as many heads per group as before.
 
@@ -59,6 +60,7 @@ from parity_tests.cases import Check, NotRun, generator
 from parity_tests.metrics import calc_diff, worst_position
 from parity_tests.report import Result, Task
 from parity_tests.tolerances import (
+    ATTENTION_LAYER_SIMULATED,
     BITWISE,
     MOE_SIMULATED,
     ROUTE_SETS,
@@ -210,9 +212,9 @@ class ShardedSpec:
         parts = [f"W={world}", f"layer={self.layer_id}"]
         if self.op == "moe_ep":
             parts += [f"T={self.tokens}", self.expert_format]
-        else:
-            parts += ["seqs=" + "+".join(map(str, self.lengths)), *(["+decode"] if self.decode else [])]
-        return ",".join([*parts, self.numerics])
+            return ",".join([*parts, self.numerics])
+        parts += ["seqs=" + "+".join(map(str, self.lengths)), *(["+decode"] if self.decode else [])]
+        return ",".join([*parts, f"{self.numerics}+fp8_wo_a"])
 
 
 def specs(config: str) -> list[ShardedSpec]:
@@ -233,8 +235,8 @@ def specs(config: str) -> list[ShardedSpec]:
         s(op="moe_ep", layer_id=topk_layer, lengths=(64,)),
         s(op="moe_ep", layer_id=topk_layer, lengths=(4096,), expert_format="fp4"),
         s(op="moe_ep", layer_id=hash_layer, lengths=(512,)),
-        s(op="attention_tp", layer_id=csa, lengths=(1000, 24)),
-        s(op="attention_tp", layer_id=hca, lengths=(300, 5), numerics="vllm_nvidia"),
+        s(op="attention_tp", layer_id=csa, lengths=(2100, 40)),
+        s(op="attention_tp", layer_id=hca, lengths=(1100, 5), numerics="vllm_nvidia"),
     ]
 
 
@@ -255,7 +257,10 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
 
 
 def _numerics(spec: ShardedSpec) -> Numerics:
-    return PRESETS[spec.numerics].replace(fp8_format=spec.fmt)
+    """The preset in the case's FP8 format; attention cases take the FP8 `wo_a` output path (vLLM / DeepGEMM),
+    the one the optimized layer implements (both sides run the same numerics)."""
+    numerics = PRESETS[spec.numerics].replace(fp8_format=spec.fmt)
+    return numerics.replace(wo_a="fp8") if spec.op == "attention_tp" else numerics
 
 
 def _require(spec: ShardedSpec, backend: str, world: World) -> None:
@@ -325,7 +330,7 @@ def _moe_local(x: torch.Tensor, token_ids: torch.Tensor, shard: MoEShard, cfg: D
         partial = moe_rank_output(x, shard, token_ids=token_ids, cfg=cfg, numerics=numerics)
         shared = shared_expert(x, shard.shared_w13, shard.shared_w2, swiglu_limit=limit, numerics=numerics)
         return _MoELocal(ids, weights, partial, shared, None)
-    from optimized import moe as opt
+    import optimized as opt
 
     ids, weights = opt.route(x, shard.gate, shard.bias, token_ids=token_ids, tid2eid=shard.tid2eid, cfg=cfg,
                              backend=backend)
@@ -441,10 +446,10 @@ def _attention_local(inp: _AttentionInputs, local_weights: Any, local_cfg: DSv4C
 
     if backend == "reference":
         return reference_partial(), None
-    from optimized import attention as opt
+    import optimized as opt
 
     layer = opt.Attention(local_cfg, layer_id, local_weights, numerics, backend=backend)
-    cache = opt.AttentionCache.empty(local_cfg, layer_id, batch, inp.x.device)
+    cache = opt.AttentionCache.empty(local_cfg, layer_id, batch, inp.x.device, packed=numerics.kv_fp8_sim)
     return _attention_steps(layer, cache, inp, decode).float(), reference_partial()
 
 
@@ -476,8 +481,6 @@ def run_attention_tp(spec: ShardedSpec, backend: str, world: World) -> list[Chec
         if world.size == 1:
             checks.append(_bitwise("W = 1 equals the unsharded layer", out, ref))
         return checks
-    from parity_tests.tolerances import ATTENTION_LAYER_SIMULATED
-
     worst = max(range(world.size), key=lambda r: shard_diffs[r])
     return [
         Check("per shard vs reference shard", ATTENTION_LAYER_SIMULATED, shard_diffs[worst],
