@@ -150,8 +150,8 @@ def _tiny_specs(op: str) -> list[AttentionSpec]:
         return [s(fmt, kind="csa", lengths=(7,), starts=(125,)) for fmt in both]
     # attention: prefill of prompts shorter than 4 and crossing 4 * index_topk = 32; decode crossing 127/128
     # (HCA) and 511/512 from reference-built caches
-    return [s(fmt, kind="csa", lengths=(3, 35), starts=(0, 0)) for fmt in both] + [
-        s("e4m3fn", kind=kind, lengths=(3, 35), starts=(0, 0)) for kind in ("swa", "hca")] + [
+    return [s(fmt, kind=kind, lengths=(3, 35), starts=(0, 0)) for kind, fmt in
+            (("csa", "e4m3fn"), ("swa", "e4m3fn"), ("hca", "e4m3fnuz"))] + [
         s("e4m3fn", kind=kind, lengths=(1, 1), starts=(126, 510), steps=3) for kind in ("csa", "hca")]
 
 
