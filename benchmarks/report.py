@@ -104,9 +104,9 @@ def markdown(*, env: dict[str, Any], roofline: Roofline, families: Sequence[Fami
         "against bf16. *vs ref* = reference time / time; *vs baseline* = the fastest baseline's time / time "
         "(baselines in italics; variants = a backend forced onto one internal path). "
         "The fastest candidate of each point is in bold. Candidates that cannot run here are listed under each "
-        "table with the reason; the reference is skipped at token counts past the one where a call took over 2 s, "
-        "except where a target needs it, and a reference call over 0.5 s is reported from that single call "
-        "(marked *cold*: an upper bound).", ""]
+        "table with the reason. The eager reference is timed up to 512 tokens and skipped past a token count where "
+        "one call took over 2 s, except where a target needs it; a reference call over 0.5 s is reported from that "
+        "single call (marked *cold*: an upper bound).", ""]
     lines += _targets(verdicts)
     lines += ["## Results", ""]
     for family in families:

@@ -108,9 +108,10 @@ def test_cli_rejects_unknown_ops_with_exit_code_2() -> None:
 def test_cli_warm_up_processes_run_before_the_timed_phase(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from benchmarks.__main__ import main
 
-    assert main(["--cpu-smoke", "--warmup-workers", "2", "--ops", "indexer_topk,route", "--out", str(tmp_path)]) == 0
+    ops = "indexer_topk,quantize_attn_output"
+    assert main(["--cpu-smoke", "--warmup-workers", "2", "--ops", ops, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "[warm-up] attention/TINY: done" in out and "[warm-up] moe/TINY: done" in out
+    assert "[warm-up] attention/TINY: done" in out and "[warm-up] einsum/TINY: done" in out
     assert out.index("[warm-up]") < out.index("[bench] ceilings")
 
 
@@ -148,6 +149,16 @@ def _env() -> Env:
     from reference.config import TINY
 
     return Env(TINY, "cpu")
+
+
+def test_runner_times_the_reference_past_512_tokens_only_at_target_points() -> None:
+    timer = ScriptedTimer({"reference": 0.1, "triton": 1e-3})
+    cands = lambda: [Candidate("reference", BACKEND, build=lambda: lambda: "reference")]
+    fam = _family(cands)
+    runner = Runner(timer, ROOF, reference_points=frozenset({("op", "TINY", 8192)}), log=lambda s: None)
+    results = runner.run([fam], [_env()], tokens=(512, 4096, 8192))
+    assert [r.status for r in results] == ["ok", "skipped", "ok"]
+    assert "T=512" in results[1].reason
 
 
 def test_runner_skips_a_slow_reference_at_larger_token_counts_except_target_points() -> None:
