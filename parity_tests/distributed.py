@@ -44,12 +44,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import math
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,7 @@ from rich.console import Console
 from parity_tests import report
 from parity_tests.cases import Check, NotRun, generator
 from parity_tests.metrics import calc_diff, worst_position
+from parity_tests.ops.moe import route_agreement
 from parity_tests.report import Result, Task
 from parity_tests.tolerances import (
     ATTENTION_LAYER_SIMULATED,
@@ -69,7 +71,10 @@ from parity_tests.tolerances import (
     Bound,
     sharded_bound,
 )
+from reference.attention import Attention, AttentionWeights, random_attention_weights
+from reference.cache import AttentionCache
 from reference.config import DSv4Config, get_config
+from reference.moe import MoEWeights, expert_sum, moe, random_moe_weights, route, router_scores, shared_expert
 from reference.numerics import PRESETS, Numerics
 from reference.sharding import (
     MoEShard,
@@ -269,6 +274,9 @@ def _require(spec: ShardedSpec, backend: str, world: World) -> None:
         raise NotRun(f"{spec.config}-shaped sharded cases run on GPUs (NCCL), not on {world.device.type}")
     if backend == "deepgemm" and spec.fmt != "e4m3fn":
         raise NotRun("DeepGEMM supports e4m3fn only")
+    experts = get_config(spec.config).n_routed_experts
+    if spec.op == "moe_ep" and experts % world.size:
+        raise NotRun(f"expert parallelism needs W to divide the {experts} routed experts; W = {world.size}")
 
 
 def _mismatches(tensors: list[torch.Tensor]) -> int:
@@ -279,6 +287,11 @@ def _mismatches(tensors: list[torch.Tensor]) -> int:
         other = t.view(torch.uint8) if t.is_floating_point() else t
         total += int((other != first).sum())
     return total
+
+
+def _worst_rank(values: list[float]) -> int:
+    """The rank with the largest value (a NaN counts as the largest)."""
+    return max(range(len(values)), key=lambda r: math.inf if math.isnan(values[r]) else values[r])
 
 
 def _bitwise(name: str, cand: torch.Tensor, ref: torch.Tensor) -> Check:
@@ -295,9 +308,8 @@ def _output_check(name: str, bound: Bound, cand: torch.Tensor, ref: torch.Tensor
 # ---------------------------------------------------------------------------------- MoE (EP)
 
 
-def _moe_inputs(spec: ShardedSpec, cfg: DSv4Config, device: torch.device) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    from reference.moe import random_moe_weights
-
+def _moe_inputs(spec: ShardedSpec, cfg: DSv4Config, device: torch.device) -> tuple[MoEWeights, torch.Tensor,
+                                                                                   torch.Tensor]:
     weights = random_moe_weights(cfg, spec.layer_id, expert_format=spec.expert_format, fmt=spec.fmt,
                                  generator=_generator(WEIGHT_SEED, device), device=device)
     g = generator(spec.seed)
@@ -322,8 +334,6 @@ class _MoELocal:
 
 def _moe_local(x: torch.Tensor, token_ids: torch.Tensor, shard: MoEShard, cfg: DSv4Config, numerics: Numerics,
                backend: str) -> _MoELocal:
-    from reference.moe import expert_sum, route, shared_expert
-
     limit = cfg.swiglu_limit
     if backend == "reference":
         ids, weights = route(x, shard.gate, shard.bias, token_ids=token_ids, tid2eid=shard.tid2eid, cfg=cfg)
@@ -350,9 +360,6 @@ def _moe_local(x: torch.Tensor, token_ids: torch.Tensor, shard: MoEShard, cfg: D
 
 def run_moe_ep(spec: ShardedSpec, backend: str, world: World) -> list[Check]:
     """One expert-parallel MoE case on every rank; the checks on rank 0 (see the module docstring)."""
-    from parity_tests.ops.moe import route_agreement
-    from reference.moe import moe, route, router_scores
-
     _require(spec, backend, world)
     cfg, numerics = get_config(spec.config), _numerics(spec)
     weights, x, token_ids = _moe_inputs(spec, cfg, world.device)
@@ -385,7 +392,7 @@ def run_moe_ep(spec: ShardedSpec, backend: str, world: World) -> list[Check]:
         bound = SHARDED_FP32_PARTIALS
     else:
         bound = sharded_bound(MOE_SIMULATED, SHARDED_BF16_PARTIALS)
-        worst = max(range(world.size), key=lambda r: shard_diffs[r])
+        worst = _worst_rank(shard_diffs)
         checks.append(Check("per shard vs reference shard", MOE_SIMULATED, shard_diffs[worst],
                             f"worst of {world.size} ranks: rank {worst} (same routing on both sides)"))
     checks.append(_output_check("reduced vs unsharded reference", bound, out[rows], ref[rows],
@@ -420,7 +427,7 @@ def _attention_inputs(spec: ShardedSpec, cfg: DSv4Config, device: torch.device) 
                             lengths.to(device), torch.arange(batch + 1, dtype=torch.int32).to(device))
 
 
-def _attention_steps(layer: Callable[..., torch.Tensor], cache: Any, inp: _AttentionInputs, decode: bool
+def _attention_steps(layer: Callable[..., torch.Tensor], cache: object, inp: _AttentionInputs, decode: bool
                      ) -> torch.Tensor:
     """The prefill, then (when `decode`) one decode step from the updated cache: outputs concatenated [T (+B), D]."""
     outs = [layer(inp.x, inp.positions, inp.cu_seqlens, cache)]
@@ -429,20 +436,19 @@ def _attention_steps(layer: Callable[..., torch.Tensor], cache: Any, inp: _Atten
     return torch.cat(outs)
 
 
-def _attention_local(inp: _AttentionInputs, local_weights: Any, local_cfg: DSv4Config, layer_id: int,
+def _attention_local(inp: _AttentionInputs, local_weights: AttentionWeights, local_cfg: DSv4Config, layer_id: int,
                      numerics: Numerics, backend: str, decode: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(this rank's partial [T (+B), D] fp32, the reference's partial on the same shard or None)."""
-    from reference.cache import AttentionCache
-
     batch = inp.cu_seqlens.numel() - 1
 
     def reference_partial() -> torch.Tensor:
-        cache = AttentionCache.empty(local_cfg, layer_id, batch, inp.x.device)
+        def rank_layer(x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                       cache: AttentionCache) -> torch.Tensor:
+            return attention_rank_output(x, positions, cu_seqlens, local_weights, local_cfg, layer_id, numerics,
+                                         cache=cache)
 
-        def layer(*args: Any) -> torch.Tensor:
-            return attention_rank_output(*args[:3], local_weights, local_cfg, layer_id, numerics, cache=args[3])
-
-        return _attention_steps(layer, cache, inp, decode)
+        return _attention_steps(rank_layer, AttentionCache.empty(local_cfg, layer_id, batch, inp.x.device), inp,
+                                decode)
 
     if backend == "reference":
         return reference_partial(), None
@@ -455,9 +461,6 @@ def _attention_local(inp: _AttentionInputs, local_weights: Any, local_cfg: DSv4C
 
 def run_attention_tp(spec: ShardedSpec, backend: str, world: World) -> list[Check]:
     """One tensor-parallel attention case on every rank; the checks on rank 0 (see the module docstring)."""
-    from reference.attention import Attention, random_attention_weights
-    from reference.cache import AttentionCache
-
     _require(spec, backend, world)
     cfg, numerics = attention_config(get_config(spec.config), world.size), _numerics(spec)
     weights = random_attention_weights(cfg, spec.layer_id, fmt=spec.fmt, generator=generator(WEIGHT_SEED),
@@ -481,7 +484,7 @@ def run_attention_tp(spec: ShardedSpec, backend: str, world: World) -> list[Chec
         if world.size == 1:
             checks.append(_bitwise("W = 1 equals the unsharded layer", out, ref))
         return checks
-    worst = max(range(world.size), key=lambda r: shard_diffs[r])
+    worst = _worst_rank(shard_diffs)
     return [
         Check("per shard vs reference shard", ATTENTION_LAYER_SIMULATED, shard_diffs[worst],
               f"worst of {world.size} ranks: rank {worst}"),

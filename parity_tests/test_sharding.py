@@ -241,3 +241,12 @@ def test_torchrun_gloo_sharded_parity_passes(world: int, tmp_path: Path) -> None
     assert ran == {(op, b) for op in ("moe_ep", "attention_tp") for b in ("reference", "triton")}, results
     assert all(r["status"] == "pass" or (r["backend"] == "deepgemm" and r["status"] == "not_run") for r in results)
     assert all(f"W={world}" in r["shape"] for r in results)
+
+
+def test_distributed_mode_without_torchrun_is_a_world_of_one(capsys: pytest.CaptureFixture[str]) -> None:
+    from parity_tests.__main__ import main
+
+    assert main(["--distributed", "--list", "--ops", "moe_ep", "--backends", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert "1 rank(s), gloo" in out and "NCCL_NVLS_ENABLE=0" in out
+    assert out.count("moe_ep[TINY,W=1,") == 2
