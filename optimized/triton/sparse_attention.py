@@ -69,7 +69,7 @@ CONFIG = LaunchConfig(block_h=64, block_n=16, num_warps=8, num_stages=2)
 INTERPRETER_BLOCK_N = 128
 BLOCK_H_MIN = 16
 # Decode has few tokens. First the heads of a token are spread over more programs (each reads the token's rows,
-# the repeats hit L2), down to BLOCK_H_MIN heads; if there are still fewer programs than SMs, the candidates are
+# the repeats hit L2), BLOCK_H_MIN heads each; if there are still fewer programs than SMs, the candidates are
 # split (split-KV: every split writes a [heads, 512] fp32 partial, so it only pays when SMs would idle), each
 # split keeping at least MIN_ROWS_PER_SPLIT candidates.
 MIN_ROWS_PER_SPLIT = 128
@@ -225,13 +225,13 @@ def _sm_count() -> int | None:
 
 def plan(n_tokens: int, n_heads: int, n_candidates: int) -> tuple[int, int]:
     """(heads per program, candidate splits) for a launch: 64 heads per program (16 at least, for tl.dot,
-    fewer heads are padded), halved while the programs do not fill the SMs, then split-KV if they still do not."""
+    fewer heads are padded); 16 when the programs would not fill the SMs, then split-KV if they still do not."""
     heads = max(BLOCK_H_MIN, min(CONFIG.block_h, triton.next_power_of_2(n_heads)))
     n_sms = _sm_count()
     if n_sms is None:
         return heads, 1
-    while heads > BLOCK_H_MIN and n_tokens * triton.cdiv(n_heads, heads) < n_sms:
-        heads //= 2
+    if n_tokens * triton.cdiv(n_heads, heads) < n_sms:
+        heads = BLOCK_H_MIN  # (32 heads per program spills registers on sm_90 with packed rows)
     programs = n_tokens * triton.cdiv(n_heads, heads)
     splits = max(1, min(triton.cdiv(n_sms, programs), n_candidates // MIN_ROWS_PER_SPLIT, MAX_SPLITS))
     return heads, splits
@@ -326,13 +326,15 @@ _ALIGNED = ("q_ptr", "kv_ptr", "kv_rope_ptr", "kv_scale_ptr", "idx_ptr", "sink_p
             "part_ml_ptr", "T", "H", "K", "rows_per_split", "stride_qt", "stride_qh", "stride_kv", "stride_it",
             "stride_ot", "stride_oh")
 
-# FLASH / PRO launches: bf16 rows with 64 heads (prefill); packed rows with 64 heads (decode of many tokens) and
-# with 16 heads and split-KV (decode of few tokens); the merge.
+# FLASH / PRO launches (`plan` on 132 SMs): bf16 rows with 64 heads (prefill); packed rows with 64 heads (decode
+# of >= 132 tokens at FLASH, >= 66 at PRO), 16 heads (decode batch 64) and 16 heads with split-KV (decode of few
+# tokens); the merge.
 AOT_SPECS = [
     AotSpec(f"sparse_attention[{'packed' if packed else 'bf16'},BLOCK_H={heads},split={split}]",
             _sparse_attention_kernel, _attention_signature(packed), _attention_constexprs(packed, split, heads),
             num_warps=CONFIG.num_warps, num_stages=CONFIG.num_stages, aligned=_ALIGNED)
-    for packed, heads, split in ((False, 64, False), (True, 64, False), (True, BLOCK_H_MIN, True))
+    for packed, heads, split in ((False, 64, False), (True, 64, False), (True, BLOCK_H_MIN, False),
+                                 (True, BLOCK_H_MIN, True))
 ] + [
     AotSpec("sparse_attention_merge", _merge_splits_kernel,
             {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
