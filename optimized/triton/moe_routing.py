@@ -25,12 +25,16 @@ from optimized.backends import detect
 from optimized.triton._fp8 import prepare_interpreter
 from optimized.triton.aot import AotSpec
 
-# Logits GEMM tiles: 16 tokens is the smallest `tl.dot` M; 128 experts per program; 128 hidden dims per
-# step. Target ~2 programs per SM for the weight stream when the token count is small.
+# Logits GEMM tiles: 16 tokens (the smallest `tl.dot` M) below PREFILL_TOKENS, where the step streams the
+# gate weight and the hidden dim is split to reach ~2 programs per SM; 64 from there on, where the GEMM is
+# compute-bound and larger tiles re-read the gate weight (E x D bf16, 2-5.5 MB) fewer times from L2.
 LOGITS_BLOCK_T = 16
+LOGITS_PREFILL_BLOCK_T = 64
+PREFILL_TOKENS = 1024
 LOGITS_BLOCK_E = 128
 LOGITS_BLOCK_D = 128
 LOGITS_TARGET_PROGRAMS = 256
+LOGITS_WARPS, LOGITS_STAGES = 4, 2
 # Tokens per top-k program (each holds a [BLOCK_T, next_pow2(E)] fp32 tile).
 TOPK_BLOCK_T = 4
 # On the CPU interpreter a program costs the same numpy calls whatever its size: few, large programs.
@@ -154,8 +158,9 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | Non
     Args:
         x: [T, D] bf16, contiguous rows.
         gate_weight: [E, D] bf16, contiguous rows; D a multiple of `LOGITS_BLOCK_D`.
-        n_split: hidden-dim slices (a power of two dividing D / LOGITS_BLOCK_D); None: enough slices for
-            ~LOGITS_TARGET_PROGRAMS programs on a GPU, 1 on the CPU interpreter.
+        n_split: hidden-dim slices (a divisor of D / LOGITS_BLOCK_D); None: the most slices that keep the
+            grid within LOGITS_TARGET_PROGRAMS programs on a GPU (decode: 64 on FLASH, 168 on PRO), 1 on the
+            CPU interpreter.
 
     Returns:
         [n_split, T, E] fp32 partial sums over `D / n_split` hidden dims each (sum them in order).
@@ -164,15 +169,17 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | Non
     interpret = detect().interpret
     n_tokens, dim = x.shape
     n_experts = gate_weight.shape[0]
-    block_t = INTERPRET_BLOCK_T if interpret else LOGITS_BLOCK_T
+    if interpret:
+        block_t = INTERPRET_BLOCK_T
+    else:
+        block_t = LOGITS_PREFILL_BLOCK_T if n_tokens >= PREFILL_TOKENS else LOGITS_BLOCK_T
     t_blocks = triton.cdiv(n_tokens, block_t)
     e_blocks = triton.cdiv(n_experts, LOGITS_BLOCK_E)
     d_blocks = dim // LOGITS_BLOCK_D
-    if n_split is None:
-        n_split = 1
-        while (not interpret and n_split * 2 <= d_blocks and d_blocks % (n_split * 2) == 0
-               and t_blocks * e_blocks * n_split * 2 <= LOGITS_TARGET_PROGRAMS):
-            n_split *= 2
+    if n_split is None:  # the most slices that keep the grid within LOGITS_TARGET_PROGRAMS
+        grid = t_blocks * e_blocks
+        fits = [s for s in range(1, d_blocks + 1) if d_blocks % s == 0 and grid * s <= LOGITS_TARGET_PROGRAMS]
+        n_split = 1 if interpret or not fits else fits[-1]
     elif d_blocks % n_split:
         raise ValueError(f"n_split: {n_split} does not divide the {d_blocks} hidden-dim blocks of {LOGITS_BLOCK_D}")
     out = torch.empty((n_split, n_tokens, n_experts), dtype=torch.float32, device=x.device)
@@ -180,6 +187,7 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | Non
         x, gate_weight, out, n_tokens, n_experts,
         x.stride(0), gate_weight.stride(0), out.stride(0), out.stride(1),
         D_PER_SPLIT=dim // n_split, BLOCK_T=block_t, BLOCK_E=LOGITS_BLOCK_E, BLOCK_D=LOGITS_BLOCK_D,
+        num_warps=LOGITS_WARPS, num_stages=LOGITS_STAGES,
     )
     return out
 
@@ -220,12 +228,16 @@ def router_topk(
 
 
 AOT_SPECS = [
-    AotSpec(
-        "router_logits", _router_logits_kernel,
-        {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
-         "stride_xt": "i32", "stride_we": "i32", "stride_os": "i32", "stride_ot": "i32"},
-        {"D_PER_SPLIT": 4096, "BLOCK_T": LOGITS_BLOCK_T, "BLOCK_E": LOGITS_BLOCK_E, "BLOCK_D": LOGITS_BLOCK_D},
-        aligned=("x_ptr", "w_ptr", "out_ptr", "stride_xt", "stride_we", "stride_os", "stride_ot"),
+    *(
+        AotSpec(
+            f"router_logits[BLOCK_T={block_t},split={split}]", _router_logits_kernel,
+            {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
+             "stride_xt": "i32", "stride_we": "i32", "stride_os": "i32", "stride_ot": "i32"},
+            {"D_PER_SPLIT": 4096 // split, "BLOCK_T": block_t, "BLOCK_E": LOGITS_BLOCK_E, "BLOCK_D": LOGITS_BLOCK_D},
+            num_warps=LOGITS_WARPS, num_stages=LOGITS_STAGES,
+            aligned=("x_ptr", "w_ptr", "out_ptr", "stride_xt", "stride_we", "stride_os", "stride_ot"),
+        )
+        for block_t, split in ((LOGITS_BLOCK_T, 32), (LOGITS_PREFILL_BLOCK_T, 1))
     ),
     *(
         AotSpec(
