@@ -9,8 +9,10 @@ themselves: the shared expert). One program = one BLOCK_M x BLOCK_N output tile 
 
 with the K block = the activation quantization block (128 official, 32 MegaMoE numerics: each
 32-wide sub-block has its own activation scale, so it gets its own dot; spec-exact, not an
-approximation). With `numerics.act_quant` off (EXACT) the A operand is bf16 and the products are done
-in fp32 (`input_precision="ieee"`) with the dequantized weight.
+approximation). With `numerics.act_quant` off (EXACT) the A operand is bf16 and the weight's FP8 values
+are converted to bf16 (exactly) for a bf16 dot: every product is exact in fp32, and the weight scale
+multiplies the fp32 partial sum, which is the reference's fp32 matmul with the dequantized weight up to
+the summation order.
 
 Gate/up GEMM (`swiglu=True`): each program computes the gate tile (w13 rows n) and the up tile (rows
 I + n) from the same A tile, then in registers (official order, `reference.moe.expert_forward`):
