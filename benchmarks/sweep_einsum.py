@@ -1,0 +1,455 @@
+"""Sweep of the Triton launch configurations of the output-projection path (issue #2's speed targets).
+
+    python -m benchmarks.sweep_einsum --out DIR            # GPU: FLASH, ~80 s including Triton JIT
+    python -m benchmarks.sweep_einsum --out DIR --smoke    # CPU (TRITON_INTERPRET=1): TINY, proves the code paths
+
+Times, at FLASH shapes, every candidate `EinsumConfig` of `optimized.triton.einsum` (BLOCK_M / BLOCK_N / BLOCK_K,
+warps, stages, split-K) at b in {1, 8, 128, 4096}, and every candidate `QuantConfig` of
+`optimized.triton.quant.quantize_attn_output` (rows of 128 channels per program, warps) at T in {1, 128, 4096},
+plus DeepGEMM's raw `fp8_einsum` and the two quant+einsum pipelines (deepgemm, triton) with the default configs.
+Writes `DIR/sweep_einsum.json` (every result, the best config per point, and the `TILE_TABLE` / `QUANT_TABLE` rows
+to paste) and prints a table.
+
+How it times: each candidate is captured in a CUDA graph of `CALLS` back-to-back calls; the graph is replayed
+`REPLAYS` times, each replay bracketed by CUDA events; the figure is the median replay time / `CALLS`. Host
+overhead is therefore not in these figures (this sweep ranks kernels; `python -m benchmarks` measures the
+eager calls). The L2 is not flushed between calls: instead the calls of one graph rotate over enough copies of
+the operands (>= `ROTATE_BYTES` in all, 3x the H200's 50 MB L2) that the weights stream from HBM as they do
+in a model, where other layers' weights evict them. Back-to-back calls overlap a kernel's tail with the next
+one's start, so the figures are slightly optimistic against the L2-flushed `python -m benchmarks` ones; they
+are meant for ranking configs against each other.
+
+Every candidate's output is checked before it is timed: the einsum against the fp32 einsum of the same
+quantized operands (`FP8_GEMM_SIMULATED`), the quantization bitwise against the reference. A candidate that
+fails to compile, to run or to match is reported with its error and never chosen.
+
+JIT: the candidates are first compiled by `--workers` parallel processes (each runs its share once, nothing
+timed), so that this process finds them in Triton's (and DeepGEMM's) on-disk caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CALLS = 20
+REPLAYS = 10
+ROTATE_BYTES = 150 * 2**20
+EINSUM_TOKENS = (1, 8, 128, 4096)
+QUANT_TOKENS = (1, 128, 4096)
+SMOKE_TOKENS = (1, 5)
+DEFAULT_BUDGET_S = 85.0
+WARMUP_SHARE = 0.55
+EXPR = "bhr,hdr->bhd"
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One thing to time: `kind` is "einsum", "quant", "deepgemm" (raw einsum) or "pipeline"."""
+
+    kind: str
+    tokens: int
+    config: Any = None  # EinsumConfig / QuantConfig / pipeline backend name
+
+    @property
+    def label(self) -> str:
+        if self.config is None:
+            return "default"
+        if isinstance(self.config, str):
+            return self.config
+        return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self.config).items())
+
+
+# ------------------------------------------------------------------------------------------------
+# Candidates
+# ------------------------------------------------------------------------------------------------
+
+
+def einsum_candidates(b: int) -> list[Any]:
+    """EinsumConfigs tried at token count b (FLASH: h = 8, r = 4096, d = 1024)."""
+    from optimized.triton.einsum import EinsumConfig as C
+
+    if b <= 16:  # weight streaming: BLOCK_M 16, more programs through split-K
+        tiles = [C(16, bn, 1, 4, st, bk) for bn in (32, 64, 128) for bk in (64, 128) for st in (3, 5)]
+        return ([dataclasses.replace(t, split_k=s) for t in tiles for s in (2, 4, 8, 16)]
+                + [C(16, 32, 1, 4, 4), C(16, 64, 1, 4, 4)])
+    if b <= 256:
+        tiles = [C(64, 32, 1, 4, 4), C(64, 64, 1, 4, 4), C(64, 128, 1, 4, 4), C(128, 32, 1, 4, 4),
+                 C(128, 64, 1, 4, 4), C(128, 64, 1, 8, 3), C(128, 128, 1, 8, 3)]
+        return [dataclasses.replace(t, split_k=s) for t in tiles for s in (1, 2, 4)]
+    return [C(128, 128, 1, 8, 3), C(128, 128, 1, 8, 4), C(128, 128, 1, 8, 4, 64), C(128, 128, 1, 8, 6, 64),
+            C(128, 128, 1, 4, 3), C(128, 256, 1, 8, 3), C(256, 128, 1, 8, 3), C(128, 64, 1, 4, 4),
+            C(64, 128, 1, 4, 4)]
+
+
+def quant_candidates() -> list[Any]:
+    from optimized.triton.quant import QuantConfig as Q
+
+    return [Q(rows, warps) for rows in (4, 8, 16, 32, 64, 128) for warps in (1, 2, 4, 8)
+            if 2 <= rows * 128 // (32 * warps) <= 64]  # 2..64 elements per thread
+
+
+def all_jobs(smoke: bool) -> list[Job]:
+    jobs: list[Job] = []
+    einsum_tokens, quant_tokens = (SMOKE_TOKENS, SMOKE_TOKENS) if smoke else (EINSUM_TOKENS, QUANT_TOKENS)
+    for b in einsum_tokens:
+        cands = einsum_candidates(b)
+        jobs += [Job("einsum", b, None)] + [Job("einsum", b, c) for c in (cands[:2] if smoke else cands)]
+    for t in quant_tokens:
+        cands = quant_candidates()
+        jobs += [Job("quant", t, None)] + [Job("quant", t, c) for c in (cands[:2] if smoke else cands)]
+    if not smoke:
+        jobs += [Job("deepgemm", b) for b in EINSUM_TOKENS]
+        jobs += [Job("pipeline", b, backend) for b in EINSUM_TOKENS for backend in ("deepgemm", "triton")]
+    return jobs
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs and calls
+# ------------------------------------------------------------------------------------------------
+
+
+class Inputs:
+    """Operands of one config, built once per token count on `device` (and rotated copies of them)."""
+
+    def __init__(self, config: str, device: str) -> None:
+        from reference.config import get_config
+        from reference.formats import quantize_per_block
+        from reference.rope import yarn_frequencies
+
+        self.cfg = get_config(config)
+        self.device = device
+        cfg = self.cfg
+        g = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn(cfg.o_groups * cfg.o_lora_rank, cfg.o_group_dim, generator=g, device=device)
+        data, scale = quantize_per_block(w * cfg.o_group_dim**-0.5, 128, "e4m3fn")
+        self.weight = (data.view(cfg.o_groups, cfg.o_lora_rank, -1),
+                       scale.view(cfg.o_groups, cfg.o_lora_rank // 128, -1))
+        self.freqs = yarn_frequencies(cfg, 4).to(device)
+        self._cache: dict[int, dict[str, Any]] = {}
+
+    def tokens(self, t: int) -> dict[str, Any]:
+        """o, positions, their quantization (deepgemm layout) and the einsum oracle for t tokens."""
+        if t not in self._cache:
+            from optimized.triton.quant import quantize_attn_output
+
+            cfg = self.cfg
+            g = torch.Generator(device=self.device).manual_seed(t)
+            o = torch.randn(t, cfg.n_heads, cfg.head_dim, generator=g, device=self.device).to(torch.bfloat16)
+            positions = torch.randint(0, 1 << 20, (t,), generator=g, device=self.device)
+            a = quantize_attn_output(o, positions, self.freqs, n_groups=cfg.o_groups, scale_layout="deepgemm")
+            self._cache.clear()  # one token count at a time holds device memory
+            self._cache[t] = {"o": o, "positions": positions, "a": a}
+        return self._cache[t]
+
+    def einsum_oracle(self, t: int) -> torch.Tensor:
+        entry = self.tokens(t)
+        if "oracle" not in entry:
+            (a, sa), (w, sw) = entry["a"], self.weight
+            a32 = a.float() * sa.repeat_interleave(128, -1)
+            w32 = w.float() * sw.repeat_interleave(128, 1).repeat_interleave(128, 2)
+            entry["oracle"] = torch.einsum(EXPR, a32, w32)
+        return entry["oracle"]
+
+    def copies(self, what: str, t: int, n: int) -> list[Any]:
+        """`n` copies (same strides) of the weight or of token-count t's quantized activations / attention output."""
+        base = {"weight": lambda: self.weight, "a": lambda: self.tokens(t)["a"],
+                "o": lambda: self.tokens(t)["o"]}[what]()
+        return [base] + [_clone(base) for _ in range(n - 1)]
+
+
+def _clone(x: Any) -> Any:
+    """A copy with x's strides (`clone` would compact the DeepGEMM scale layout's padded views)."""
+    if isinstance(x, tuple):
+        return tuple(_clone(t) for t in x)
+    y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    return y.copy_(x)
+
+
+def _rotation(bytes_per_call: int) -> int:
+    return max(1, min(CALLS, -(-ROTATE_BYTES // max(bytes_per_call, 1))))
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def build(job: Job, inputs: Inputs) -> tuple[Callable[[int], Any], Callable[[Any], dict[str, Any]]]:
+    """(call(i) running the job on the i-th operand copy, check(output) -> {"ok", "calc_diff"|"bitwise"})."""
+    from optimized.triton.einsum import block_scaled_matmul
+    from optimized.triton.quant import quantize_attn_output_checked
+    from parity_tests.metrics import calc_diff
+    from parity_tests.tolerances import FP8_GEMM_SIMULATED
+    from reference import einsum as ref
+
+    cfg, t = inputs.cfg, job.tokens
+    entry = inputs.tokens(t)
+    w_copies = inputs.copies("weight", t, _rotation(_nbytes(*inputs.weight)))
+
+    def check_einsum(out: torch.Tensor) -> dict[str, Any]:
+        diff = calc_diff(out.float(), inputs.einsum_oracle(t))
+        return {"ok": diff <= FP8_GEMM_SIMULATED.value, "calc_diff": diff}
+
+    def quantize(o: torch.Tensor, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_attn_output_checked(o, entry["positions"], inputs.freqs, n_groups=cfg.o_groups,
+                                            scale_layout="deepgemm", config=config)
+
+    if job.kind == "einsum":
+        a_copies = inputs.copies("a", t, _rotation(_nbytes(*entry["a"])))
+
+        def call(i: int) -> torch.Tensor:
+            (a, sa), (w, sw) = a_copies[i % len(a_copies)], w_copies[i % len(w_copies)]
+            out = torch.empty((t, cfg.o_groups, cfg.o_lora_rank), dtype=torch.bfloat16, device=inputs.device)
+            return block_scaled_matmul(a, sa, w, sw, out, a_block_k=128, b_gran_n=128, config=job.config)
+
+        return call, check_einsum
+    if job.kind == "quant":
+        o_copies = inputs.copies("o", t, _rotation(_nbytes(entry["o"])))
+        expected = ref.quantize_attn_output(entry["o"], entry["positions"], inputs.freqs, n_groups=cfg.o_groups)
+
+        def check_quant(out: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+            same = (torch.equal(out[0].view(torch.uint8), expected[0].view(torch.uint8))
+                    and torch.equal(out[1], expected[1]))
+            return {"ok": same, "bitwise": same}
+
+        return (lambda i: quantize(o_copies[i % len(o_copies)], job.config)), check_quant
+    from optimized.deepgemm import deep_gemm
+
+    dg = deep_gemm() if job.kind == "deepgemm" or job.config == "deepgemm" else None
+    if job.kind == "deepgemm":
+        a = entry["a"]
+
+        def raw(i: int) -> torch.Tensor:
+            out = torch.empty((t, cfg.o_groups, cfg.o_lora_rank), dtype=torch.bfloat16, device=inputs.device)
+            dg.fp8_einsum(EXPR, a, w_copies[i % len(w_copies)], out)
+            return out
+
+        return raw, check_einsum
+    o_copies = inputs.copies("o", t, _rotation(_nbytes(entry["o"]) + _nbytes(*inputs.weight)))
+
+    def pipeline(i: int) -> torch.Tensor:
+        a = quantize(o_copies[i % len(o_copies)])
+        w = w_copies[i % len(w_copies)]
+        out = torch.empty((t, cfg.o_groups, cfg.o_lora_rank), dtype=torch.bfloat16, device=inputs.device)
+        if dg is not None:
+            dg.fp8_einsum(EXPR, a, w, out)
+            return out
+        return block_scaled_matmul(a[0], a[1], w[0], w[1], out, a_block_k=128, b_gran_n=128)
+
+    return pipeline, lambda out: {"ok": True}  # its parts are checked by the other jobs
+
+
+# ------------------------------------------------------------------------------------------------
+# Timing
+# ------------------------------------------------------------------------------------------------
+
+
+def time_graph(call: Callable[[int], Any]) -> tuple[float, str]:
+    """Median seconds per call over `REPLAYS` replays of a CUDA graph of `CALLS` calls; ("graph" or "eager")."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm the allocator off the default stream, as capture wants
+        for i in range(CALLS):
+            call(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    mode = "graph"
+    try:
+        with torch.cuda.graph(graph):
+            for i in range(CALLS):
+                call(i)
+        run = graph.replay
+    except Exception:  # not capturable: time the eager calls, same bracketing
+        torch.cuda.synchronize()
+        mode = "eager"
+
+        def run() -> None:
+            for i in range(CALLS):
+                call(i)
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / CALLS)
+    del graph
+    return statistics.median(times), mode
+
+
+def work(job: Job, inputs: Inputs) -> tuple[float, float]:
+    """(FLOP, minimal bytes) of one call."""
+    cfg, t = inputs.cfg, job.tokens
+    g, r, d = cfg.o_groups, cfg.o_group_dim, cfg.o_lora_rank
+    weight = g * d * r * (1 + 4 / 128**2)
+    o_bytes = t * cfg.n_heads * cfg.head_dim * 2
+    quant_out = t * g * r * (1 + 4 / 128)
+    if job.kind == "quant":
+        return 0.0, o_bytes + quant_out
+    flop = 2.0 * t * g * r * d
+    if job.kind == "pipeline":
+        return flop, o_bytes + weight + t * g * d * 2
+    return flop, quant_out + weight + t * g * d * 2
+
+
+def run_job(job: Job, inputs: Inputs, timed: bool) -> dict[str, Any]:
+    """Run (check) and, when `timed`, time one job; never raises."""
+    row: dict[str, Any] = {"kind": job.kind, "tokens": job.tokens, "config": job.label,
+                           "params": dataclasses.asdict(job.config) if dataclasses.is_dataclass(job.config) else None}
+    try:
+        call, check = build(job, inputs)
+        started = time.perf_counter()
+        out = call(0)
+        if inputs.device == "cuda":
+            torch.cuda.synchronize()
+        row["first_call_s"] = round(time.perf_counter() - started, 3)
+        row.update(check(out))
+        if timed and row["ok"]:
+            seconds, row["timing"] = time_graph(call)
+            flop, nbytes = work(job, inputs)
+            row["us"] = round(seconds * 1e6, 2)
+            row["tflops"] = round(flop / seconds / 1e12, 1)
+            row["gbs"] = round(nbytes / seconds / 1e9, 1)
+    except Exception as exc:  # a config that does not compile or run is a result, not a crash
+        row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+    return row
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Best and default per (kind, tokens), and the table rows to paste into the kernel modules."""
+    best: dict[str, dict[str, Any]] = {}
+    for kind in ("einsum", "quant", "deepgemm", "pipeline"):
+        for t in sorted({r["tokens"] for r in rows if r["kind"] == kind}):
+            timed = [r for r in rows if r["kind"] == kind and r["tokens"] == t and "us" in r]
+            if not timed:
+                continue
+            entry = {"best": min(timed, key=lambda r: r["us"])}
+            default = [r for r in timed if r["config"] == "default"]
+            if default:
+                entry["default"] = default[0]
+                entry["speedup_over_default"] = round(default[0]["us"] / entry["best"]["us"], 2)
+            if kind == "pipeline":
+                entry = {r["config"]: r for r in timed}
+            best[f"{kind}/{t}"] = entry
+    suggestions = {}
+    for kind, table in (("einsum", "TILE_TABLE"), ("quant", "QUANT_TABLE")):
+        lines = [f"b/T <= {key.split('/')[1]}: {value['best']['config']}  ({value['best']['us']} us, default "
+                 f"{value.get('default', {}).get('us')} us)"
+                 for key, value in best.items() if key.startswith(kind + "/")]
+        suggestions[table] = lines
+    ratio = None
+    if "einsum/4096" in best and "deepgemm/4096" in best:
+        ratio = round(best["einsum/4096"]["best"]["us"] / best["deepgemm/4096"]["best"]["us"], 2)
+    return {"best": best, "suggested": suggestions, "triton_over_deepgemm_at_4096": ratio}
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"{'kind':9s} {'tokens':>6s} {'us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'check':>10s}  config")
+    for r in rows:
+        check = "ok" if r.get("ok") else "FAIL"
+        if "calc_diff" in r:
+            check = f"{r['calc_diff']:.1e}" if r["ok"] else f"FAIL {r['calc_diff']:.1e}"
+        print(f"{r['kind']:9s} {r['tokens']:6d} {r.get('us', float('nan')):9.2f} {r.get('tflops', 0):8.1f} "
+              f"{r.get('gbs', 0):7.0f} {check:>10s}  {r['config']}  {r.get('error', '')}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Main
+# ------------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_einsum", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for sweep_einsum.json")
+    p.add_argument("--config", default="FLASH", help="model config (default FLASH)")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="wall-clock budget, warm-up included")
+    p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel JIT warm-up processes")
+    p.add_argument("--smoke", action="store_true", help="CPU: TINY shapes, two configs per point, nothing timed")
+    p.add_argument("--warm-shard", type=str, default=None, help=argparse.SUPPRESS)  # "i/n": compile only
+    return p
+
+
+def warm_up(args: argparse.Namespace, deadline: float) -> None:
+    """Compile every job's kernels in `args.workers` processes (each runs its shard's jobs once, untimed)."""
+    n = max(1, args.workers)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(Path(__file__).resolve().parents[1]),
+                                                                      os.environ.get("PYTHONPATH"))))}
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.sweep_einsum", "--out", str(args.out),
+                               "--config", args.config, "--warm-shard", f"{i}/{n}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env) for i in range(n)]
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    print(f"[sweep] warm-up: {sum(p.returncode == 0 for p in procs)}/{n} processes finished")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    started = time.perf_counter()
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        config, device = "TINY", "cpu"
+    elif not torch.cuda.is_available():
+        print("sweep_einsum needs a CUDA GPU (use --smoke on the CPU)", file=sys.stderr)
+        return 2
+    else:
+        config, device = args.config, "cuda"
+    jobs = all_jobs(args.smoke)
+    inputs = Inputs(config, device)
+    if args.warm_shard is not None:  # a warm-up worker: run this shard's jobs once
+        index, count = (int(x) for x in args.warm_shard.split("/"))
+        # shards take whole token counts' worth of a kind in turn, so each holds one token count's inputs
+        for job in sorted(jobs, key=lambda j: (j.tokens, j.kind))[index::count]:
+            run_job(job, inputs, timed=False)
+        return 0
+    if not args.smoke and args.workers > 0:
+        warm_up(args, started + WARMUP_SHARE * args.budget_s)
+    rows = []
+    for job in sorted(jobs, key=lambda j: (j.tokens, j.kind)):
+        if time.perf_counter() - started > args.budget_s:
+            rows.append({"kind": job.kind, "tokens": job.tokens, "config": job.label, "ok": False,
+                         "error": "skipped: sweep budget spent"})
+            continue
+        rows.append(run_job(job, inputs, timed=not args.smoke))
+    print_table(rows)
+    summary = summarize(rows)
+    for table, lines in summary["suggested"].items():
+        print(f"\nbest per point ({table}):")
+        print("\n".join(f"  {line}" for line in lines))
+    meta = {"config": config, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "torch": torch.__version__, "calls_per_graph": CALLS, "replays": REPLAYS, "rotate_bytes": ROTATE_BYTES,
+            "wall_s": round(time.perf_counter() - started, 1),
+            "note": "CUDA-graph timing, no L2 flush (operands rotate over >= rotate_bytes); ranks configs"}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "sweep_einsum.json"
+    path.write_text(json.dumps({"meta": meta, **summary, "results": rows}, indent=1, default=str))
+    print(f"\n[sweep] {len(rows)} jobs in {meta['wall_s']} s -> {path}")
+    failed = [r for r in rows if not r.get("ok") and r["config"] == "default"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
