@@ -52,8 +52,10 @@ _NO_DEEPGEMM = "Triton kernel (DeepGEMM has none)"
 _GLUE = "DeepGEMM FP8 GEMMs + Triton norm/RoPE/quant kernel"
 
 register("sparse_attention", "reference", "optimized.attention:sparse_attention_reference")
-register("sparse_attention", "triton", "optimized.attention:sparse_attention_triton")
-register("sparse_attention", "deepgemm", "optimized.attention:sparse_attention_triton", note=_NO_DEEPGEMM)
+_SPLIT_NOTE = "rerun-deterministic; not batch-invariant (heads per program and split-KV follow the token count)"
+register("sparse_attention", "triton", "optimized.attention:sparse_attention_triton", note=_SPLIT_NOTE)
+register("sparse_attention", "deepgemm", "optimized.attention:sparse_attention_triton",
+         note=f"{_NO_DEEPGEMM}; {_SPLIT_NOTE}")
 register("indexer_scores", "reference", "reference.indexer:indexer_scores")
 register("indexer_scores", "triton", "optimized.attention:indexer_scores_triton")
 register("indexer_scores", "deepgemm", "optimized.deepgemm.indexer:indexer_scores",
@@ -69,7 +71,8 @@ for _op in ("project_q", "project_kv", "indexer_q"):
     register(_op, "triton", f"optimized.attention:{_op}_triton")
     register(_op, "deepgemm", f"optimized.attention:{_op}_deepgemm", note=_GLUE)
 register("attention", "reference", "reference.attention:Attention")
-register("attention", "triton", "optimized.attention:Attention", note="not batch-invariant (GEMM tiles)")
+register("attention", "triton", "optimized.attention:Attention",
+         note="rerun-deterministic; not batch-invariant (GEMM tiles, split-KV)")
 register("attention", "deepgemm", "optimized.attention:Attention",
          note="DeepGEMM GEMMs and indexer logits; Triton sparse attention, compressor, norm/RoPE/quant, top-k")
 
