@@ -15,6 +15,8 @@ Two variants, picked by `choose_config` from the token count b:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,7 @@ import triton.language as tl
 
 from optimized.triton._fp8 import prepare_interpreter
 from optimized.triton.aot import AotSpec
-from optimized.triton.quant import check_fp8_support
+from optimized.triton.quant import cdiv, check_fp8_support
 from reference.einsum import SCALE_BLOCK, check_fp8_einsum_args
 from reference.formats import fp8_format
 
@@ -49,6 +51,8 @@ class EinsumConfig:
         block_m, block_n: output tile (tokens x output channels).
         split_k: number of K slices (1 = full-K variant).
         num_warps, num_stages: Triton launch options.
+        block_k: K of one `tl.dot` (64 or 128, at most the activation scale block; the dots of one scale
+            block add into one fp32 block accumulator before its promotion).
     """
 
     block_m: int
@@ -56,68 +60,75 @@ class EinsumConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    block_k: int = 128
+
+
+# The tile table of `choose_config`: (largest b, tiles) rows, first match wins. `python -m benchmarks.sweep_einsum`
+# times the alternatives on the GPU and prints this table with its winners. Every row's shared memory stays
+# within gfx942's 64 KB LDS and no row spills (checked by the AOT compile; sm_90 registers from 80 per thread
+# at BLOCK_M = 16 to ~230 at 128 x 128: two fp32 accumulators).
+TILE_TABLE: tuple[tuple[int, EinsumConfig], ...] = (
+    (16, EinsumConfig(16, 64, 1, 4, 4)),  # decode: smallest dot tile, weight streaming
+    (32, EinsumConfig(32, 64, 1, 4, 4)),
+    (64, EinsumConfig(64, 64, 1, 4, 3)),
+    (256, EinsumConfig(128, 64, 1, 8, 3)),  # one wave of h * d / 64 programs (128 on FLASH)
+    (1 << 62, EinsumConfig(128, 128, 1, 8, 3)),  # compute-bound: large tiles, A reuse
+)
+
+
+@functools.cache
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors (CUs on ROCm) of `device`; `DEFAULT_NUM_SMS` on the CPU."""
+    """Streaming multiprocessors (CUs on ROCm) of `device` (queried once per device); `DEFAULT_NUM_SMS` on the CPU."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _device_sms(device.index if device.index is not None else torch.cuda.current_device())
     return DEFAULT_NUM_SMS
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_config(b: int, h: int, d: int, k_blocks: int, sms: int) -> EinsumConfig:
-    """The tile table (by token count b) and the split-K rule.
+    """The tile table `TILE_TABLE` (by token count b) and the split-K rule (cached: a pure function of sizes).
 
-    | b        | BLOCK_M | BLOCK_N | warps | stages | why                                            |
-    |----------|---------|---------|-------|--------|------------------------------------------------|
-    | <= 16    | 16      | 64      | 4     | 4      | decode: smallest dot tile, weight streaming    |
-    | <= 32    | 32      | 64      | 4     | 4      |                                                |
-    | <= 64    | 64      | 64      | 4     | 3      |                                                |
-    | <= 256   | 128     | 64      | 8     | 3      | one wave of h * d / 64 programs (128 on FLASH) |
-    | > 256    | 128     | 128     | 8     | 3      | compute-bound: large tiles, A reuse            |
-
-    Split-K (b <= MAX_SPLIT_K_TOKENS only): when the full-K grid has fewer than PROGRAMS_PER_SM * sms
-    programs, K is cut into enough equal slices to reach that (the smallest divisor of the number of
-    128-wide K blocks that does, with at least MIN_K_BLOCKS_PER_SPLIT blocks per slice). FLASH b = 1:
-    128 tiles -> 4 slices of 8 K blocks -> 512 programs. The stage counts keep the shared memory of
-    every config within gfx942's 64 KB LDS, and no config spills (checked by the AOT compile; sm_90
-    registers from 80 per thread at BLOCK_M = 16 to ~230 at 128 x 128: two fp32 accumulators).
+    Split-K (b <= MAX_SPLIT_K_TOKENS only, and only where the table row says split_k = 1): when the full-K
+    grid has fewer than PROGRAMS_PER_SM * sms programs, K is cut into enough equal slices to reach that (the
+    smallest divisor of the number of 128-wide K blocks that does, with at least MIN_K_BLOCKS_PER_SPLIT blocks
+    per slice). FLASH b = 1: 128 tiles -> 4 slices of 8 K blocks -> 512 programs. A row with split_k > 1 sets
+    the split itself (capped to a divisor of the K blocks).
     """
-    if b <= 16:
-        config = EinsumConfig(16, 64, 1, 4, 4)
-    elif b <= 32:
-        config = EinsumConfig(32, 64, 1, 4, 4)
-    elif b <= 64:
-        config = EinsumConfig(64, 64, 1, 4, 3)
-    elif b <= 256:
-        config = EinsumConfig(128, 64, 1, 8, 3)
-    else:
-        config = EinsumConfig(128, 128, 1, 8, 3)
-    tiles = h * triton.cdiv(b, config.block_m) * triton.cdiv(d, config.block_n)
+    config = next(row for bound, row in TILE_TABLE if b <= bound)
+    divisors = [s for s in range(1, k_blocks // MIN_K_BLOCKS_PER_SPLIT + 1) if k_blocks % s == 0] or [1]
+    if config.split_k > 1:
+        split = max(s for s in divisors if s <= config.split_k)
+        return dataclasses.replace(config, split_k=split)
+    tiles = h * cdiv(b, config.block_m) * cdiv(d, config.block_n)
     target = PROGRAMS_PER_SM * sms
     if b <= MAX_SPLIT_K_TOKENS and tiles < target:
-        wanted = triton.cdiv(target, tiles)
-        divisors = [s for s in range(1, k_blocks // MIN_K_BLOCKS_PER_SPLIT + 1) if k_blocks % s == 0] or [1]
+        wanted = cdiv(target, tiles)
         split = next((s for s in divisors if s >= wanted), divisors[-1])
-        config = EinsumConfig(config.block_m, config.block_n, split, config.num_warps, config.num_stages)
+        config = dataclasses.replace(config, split_k=split)
     return config
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _fp8_einsum_kernel(
     a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr,
-    M, N, K_BLOCKS_PER_SPLIT,
+    M, N, SCALE_BLOCKS_PER_SPLIT,
     stride_am, stride_ah, stride_sam, stride_sah, stride_sak,
     stride_bh, stride_bn, stride_sbh, stride_sbn, stride_sbk,
     stride_cs, stride_cm, stride_ch, stride_cn,
-    BLOCK_K: tl.constexpr, GRAN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALE_K: tl.constexpr, GRAN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """C[split, m, h, n] = sum over this split's K blocks of sa * sb * dot(A[m, h, kb], B[h, n, kb]).
 
-    BLOCK_K is the K granularity of A's scales (128 for the einsum; the act-quant block for the
-    linear); B's scales are per 128 K (`// 128`) and per GRAN_N rows (128 or 1). C is bf16 / fp32 (the
-    output, stride_cs = 0) or the fp32 split-K workspace.
+    SCALE_K is the K granularity of A's scales (128 for the einsum; the act-quant block for the linear),
+    BLOCK_K (dividing it) the K of one dot; B's scales are per 128 K (`// 128`) and per GRAN_N rows (128
+    or 1). When an N tile lies inside one GRAN_N block, B's scale is one scalar per K block and the
+    promotion is a single multiply-add per element. C is bf16 / fp32 (the output, stride_cs = 0) or the
+    fp32 split-K workspace. M is not specialized (b = 1 and b = 8 share one compiled kernel).
     """
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -133,19 +144,30 @@ def _fp8_einsum_kernel(
     a_ptrs = a_ptr + h.to(tl.int64) * stride_ah + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + h.to(tl.int64) * stride_bh + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
     sa_ptrs = sa_ptr + h * stride_sah + offs_m * stride_sam
-    sb_ptrs = sb_ptr + h * stride_sbh + (offs_n // GRAN_N) * stride_sbn
+    TILE_SHARES_SB: tl.constexpr = GRAN_N % BLOCK_N == 0
+    if TILE_SHARES_SB:
+        sb_ptrs = sb_ptr + h * stride_sbh + (pid_n * BLOCK_N // GRAN_N) * stride_sbn
+    else:
+        sb_ptrs = sb_ptr + h * stride_sbh + (offs_n // GRAN_N) * stride_sbn
 
-    kb_start = split * K_BLOCKS_PER_SPLIT  # the slices cut K evenly
+    kb_start = split * SCALE_BLOCKS_PER_SPLIT  # the slices cut K evenly
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, K_BLOCKS_PER_SPLIT):
-        kb = kb_start + i
-        k0 = kb * BLOCK_K
-        a = tl.load(a_ptrs + k0, mask=m_ok[:, None], other=0.0)
-        b = tl.load(b_ptrs + k0, mask=n_ok[:, None], other=0.0)
-        block_acc = tl.dot(a, tl.trans(b))  # FP8 x FP8 -> fp32, one K block
-        sa = tl.load(sa_ptrs + kb * stride_sak, mask=m_ok, other=0.0)
-        sb = tl.load(sb_ptrs + (k0 // 128) * stride_sbk, mask=n_ok, other=0.0)
-        acc += block_acc * sa[:, None] * sb[None, :]  # promotion into the fp32 main accumulator
+    for i in range(0, SCALE_BLOCKS_PER_SPLIT):
+        k0 = (kb_start + i) * SCALE_K
+        # FP8 x FP8 -> fp32 over one scale block of K (one dot, or SCALE_K / BLOCK_K of them)
+        block_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in tl.static_range(0, SCALE_K, BLOCK_K):
+            a = tl.load(a_ptrs + (k0 + kk), mask=m_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs + (k0 + kk), mask=n_ok[:, None], other=0.0)
+            block_acc = tl.dot(a, tl.trans(b), block_acc)
+        sa = tl.load(sa_ptrs + (kb_start + i) * stride_sak, mask=m_ok, other=0.0)
+        # promotion into the fp32 main accumulator (power-of-two scales: the products are exact)
+        if TILE_SHARES_SB:
+            sb = tl.load(sb_ptrs + (k0 // 128) * stride_sbk)
+            acc += block_acc * (sa * sb)[:, None]
+        else:
+            sb = tl.load(sb_ptrs + (k0 // 128) * stride_sbk, mask=n_ok, other=0.0)
+            acc += block_acc * (sa[:, None] * sb[None, :])
 
     c_ptrs = (c_ptr + split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm
               + h.to(tl.int64) * stride_ch + offs_n[None, :] * stride_cn)
@@ -203,7 +225,10 @@ def block_scaled_matmul(
     splits = config.split_k
     if splits < 1 or k_blocks % splits:
         raise ValueError(f"config: split_k = {splits} must divide the {k_blocks} 128-wide K blocks")
-    per_split = k_blocks // splits  # 128-wide K blocks per slice
+    block_k = min(config.block_k, a_block_k)
+    if block_k not in (32, 64, 128) or a_block_k % block_k:
+        raise ValueError(f"config: block_k = {config.block_k} must be 32, 64 or 128 (dividing {a_block_k})")
+    scale_blocks_per_split = k_blocks // splits * (SCALE_BLOCK // a_block_k)
     prepare_interpreter()
     if splits > 1:
         target = torch.empty((splits, m, h, n), dtype=torch.float32, device=a.device)
@@ -211,20 +236,20 @@ def block_scaled_matmul(
     else:
         target = out
         c_strides = (0, *out.stride())
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), h, splits)
+    grid = (cdiv(m, config.block_m) * cdiv(n, config.block_n), h, splits)
     _fp8_einsum_kernel[grid](
         a, a_scale, b, b_scale, target,
-        m, n, per_split * (SCALE_BLOCK // a_block_k),
+        m, n, scale_blocks_per_split,
         a.stride(0), a.stride(1), a_scale.stride(0), a_scale.stride(1), a_scale.stride(2),
         b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         *c_strides,
-        BLOCK_K=a_block_k, GRAN_N=b_gran_n,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        SCALE_K=a_block_k, GRAN_N=b_gran_n,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         total = m * h * n
-        _split_k_reduce_kernel[(triton.cdiv(total, _REDUCE_BLOCK),)](
+        _split_k_reduce_kernel[(cdiv(total, _REDUCE_BLOCK),)](
             target, out, total, h, n, splits, *out.stride(), BLOCK=_REDUCE_BLOCK, num_warps=4,
         )
     return out
@@ -279,7 +304,7 @@ _ALIGNED_ARGS = ("a_ptr", "sa_ptr", "b_ptr", "sb_ptr", "c_ptr", "N", "stride_am"
 
 
 def _einsum_spec(config: EinsumConfig, out: str) -> AotSpec:
-    ints = ("M", "N", "K_BLOCKS_PER_SPLIT", "stride_am", "stride_ah", "stride_sam", "stride_sah", "stride_sak",
+    ints = ("M", "N", "SCALE_BLOCKS_PER_SPLIT", "stride_am", "stride_ah", "stride_sam", "stride_sah", "stride_sak",
             "stride_bh", "stride_bn", "stride_sbh", "stride_sbn", "stride_sbk",
             "stride_cs", "stride_cm", "stride_ch", "stride_cn")
     return AotSpec(
@@ -287,8 +312,8 @@ def _einsum_spec(config: EinsumConfig, out: str) -> AotSpec:
         kernel=_fp8_einsum_kernel,
         signature={"a_ptr": "*{fp8}", "sa_ptr": "*fp32", "b_ptr": "*{fp8}", "sb_ptr": "*fp32", "c_ptr": f"*{out}",
                    **dict.fromkeys(ints, "i32")},
-        constexprs={"BLOCK_K": SCALE_BLOCK, "GRAN_N": 128,
-                    "BLOCK_M": config.block_m, "BLOCK_N": config.block_n},
+        constexprs={"SCALE_K": SCALE_BLOCK, "GRAN_N": 128,
+                    "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k},
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         aligned=_ALIGNED_ARGS,

@@ -23,6 +23,8 @@ product and the sum separately to match the reference bit for bit (an FMA rounds
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +33,6 @@ from optimized.triton._fp8 import fp8_constants, prepare_interpreter, round_to_f
 from optimized.triton.aot import AotSpec
 from reference.einsum import ATTN_OUT_EPS, SCALE_BLOCK, check_attn_output_args
 from reference.formats import ACT_EPS, FP8Format, fp8_format
-from reference.rope import rope_cos_sin
 
 SCALE_LAYOUTS = ("row_major", "deepgemm")
 TMA_ALIGN_FP32 = 4  # TMA needs 16-byte aligned strides: 4 fp32 scales
@@ -87,48 +88,81 @@ def _quant_per_token_kernel(
     tl.store(s_ptr + rows * stride_sm + kb * stride_sk, tl.where(valid, scale, 0.0), mask=rows < M_PAD)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "ROWS_TOTAL"])
 def _inv_rope_quant_kernel(
     o_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr,
-    T, stride_ot, stride_oh, stride_qt, stride_qg, stride_st, stride_sg, stride_sk,
+    T, ROWS_TOTAL, GROUPS, stride_ot, stride_oh, stride_qt, stride_qg, stride_st, stride_sg, stride_sk,
     HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
-    NUM_BLOCKS: tl.constexpr, BLOCKS_POW2: tl.constexpr, BLOCK: tl.constexpr, EPS: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, EPS: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr,
 ):
-    """One program = one (token, group): the group's HEADS_PER_GROUP x HEAD_DIM values as [blocks, BLOCK].
+    """One program = ROWS consecutive scale blocks of the flattened (token, group, block) space, as a
+    [ROWS, BLOCK] tile: load, inverse RoPE, amax, scale, round, store.
 
-    Programs with t >= T (padding rows of the DeepGEMM scale layout) only write scale 0.
+    Rows of tokens t >= T (padding rows of the DeepGEMM scale layout) only write scale 0. When a head is a
+    whole number of blocks (DSv4: 512 = 4 x 128) each row is one contiguous run of `o`, so loads and stores
+    are 16-byte vectors.
     """
-    t = tl.program_id(0)
-    g = tl.program_id(1)
-    token_ok = t < T
-    block = tl.arange(0, BLOCKS_POW2)
-    col = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # position in the group's vector
-    ok = token_ok & (block[:, None] < NUM_BLOCKS)
-    head = col // HEAD_DIM
-    d = col % HEAD_DIM
-    src = o_ptr + t.to(tl.int64) * stride_ot + (g * HEADS_PER_GROUP + head) * stride_oh + d
-    x = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    t = rows // (GROUPS * NUM_BLOCKS)
+    g = (rows // NUM_BLOCKS) % GROUPS
+    kb = rows % NUM_BLOCKS
+    in_space = rows < ROWS_TOTAL
+    valid = in_space & (t < T)
+    c = tl.arange(0, BLOCK)
+    if HEAD_DIM % BLOCK == 0:
+        head = kb // (HEAD_DIM // BLOCK)
+        d0 = (kb % (HEAD_DIM // BLOCK)) * BLOCK
+        src = o_ptr + (t * stride_ot + (g * HEADS_PER_GROUP + head) * stride_oh + d0)[:, None] + c[None, :]
+    else:  # a block spans heads: per-element head and dim
+        col = kb[:, None] * BLOCK + c[None, :]
+        src = o_ptr + t[:, None] * stride_ot + (g[:, None] * HEADS_PER_GROUP + col // HEAD_DIM) * stride_oh \
+            + col % HEAD_DIM
+    x = tl.load(src, mask=valid[:, None], other=0.0).to(tl.float32)
 
-    # inverse GPT-J RoPE on the last ROPE_DIM dims of each head, in fp32 (spec §2.8):
-    #   x_e' = x_e cos + x_o sin,  x_o' = x_o cos - x_e sin;  the partner of dim d is d ^ 1
-    nope = HEAD_DIM - ROPE_DIM
-    is_rope = ok & (d >= nope)
-    pair = tl.maximum(d - nope, 0) // 2
-    cos = tl.load(cos_ptr + t * (ROPE_DIM // 2) + pair, mask=is_rope, other=1.0)
-    sin = tl.load(sin_ptr + t * (ROPE_DIM // 2) + pair, mask=is_rope, other=0.0)
-    is_even = (d % 2) == 0
-    partner = tl.load(src + tl.where(is_even, 1, -1), mask=is_rope, other=0.0).to(tl.float32)
-    rotated = tl.where(is_even, x * cos + partner * sin, x * cos - partner * sin)
-    x = tl.where(is_rope, rotated, x)
+    # inverse GPT-J RoPE on the last ROPE_DIM dims of each head, in fp32 (spec §2.8), on (even, odd) pairs:
+    #   x_e' = x_e cos + x_o sin,  x_o' = x_o cos - x_e sin  (a head's dim count is even: pairs never straddle)
+    even, odd = tl.split(tl.reshape(x, (ROWS, BLOCK // 2, 2)))
+    d_even = (kb[:, None] * BLOCK + 2 * tl.arange(0, BLOCK // 2)[None, :]) % HEAD_DIM
+    is_rope = valid[:, None] & (d_even >= HEAD_DIM - ROPE_DIM)
+    pair = t[:, None] * (ROPE_DIM // 2) + tl.maximum(d_even - (HEAD_DIM - ROPE_DIM), 0) // 2
+    cos = tl.load(cos_ptr + pair, mask=is_rope, other=1.0)
+    sin = tl.load(sin_ptr + pair, mask=is_rope, other=0.0)
+    even_rot = tl.where(is_rope, even * cos + odd * sin, even)
+    odd_rot = tl.where(is_rope, odd * cos - even * sin, odd)
+    x = tl.reshape(tl.join(even_rot, odd_rot), (ROWS, BLOCK))
 
-    # per-BLOCK amax -> power-of-two scale -> exact FP8 rounding
+    # per-row (= per-block) amax -> power-of-two scale -> exact FP8 rounding
     scale = _block_scale(x, FP8_MAX, EPS)
     q = _quantize_rows(x, scale, q_ptr.dtype.element_ty, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
-    dst = q_ptr + t.to(tl.int64) * stride_qt + g * stride_qg + col
-    tl.store(dst, q, mask=ok)
-    s_dst = s_ptr + t * stride_st + g * stride_sg + block * stride_sk
-    tl.store(s_dst, tl.where(token_ok, scale, 0.0), mask=block < NUM_BLOCKS)
+    dst = q_ptr + (t * stride_qt + g * stride_qg + kb * BLOCK)[:, None] + c[None, :]
+    tl.store(dst, q, mask=valid[:, None])
+    tl.store(s_ptr + t * stride_st + g * stride_sg + kb * stride_sk, tl.where(valid, scale, 0.0), mask=in_space)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Launch configuration of the attention-output quantization.
+
+    Attributes:
+        rows: scale blocks (rows of 128 channels) per program; a power of two.
+        num_warps: Triton launch option.
+    """
+
+    rows: int
+    num_warps: int
+
+
+# (largest T, config) rows, first match wins; `python -m benchmarks.sweep_einsum` times the alternatives.
+QUANT_TABLE: tuple[tuple[int, QuantConfig], ...] = (
+    (16, QuantConfig(8, 2)),  # decode: a few hundred blocks, spread them over the SMs
+    (1 << 62, QuantConfig(32, 4)),  # 8 KB of bf16 per program, four 16-byte loads per thread
+)
+
+
+def choose_quant_config(t: int) -> QuantConfig:
+    """The row of `QUANT_TABLE` for T tokens."""
+    return next(config for bound, config in QUANT_TABLE if t <= bound)
 
 
 def check_fp8_support(fmt: FP8Format, device: torch.device, name: str) -> None:
@@ -145,6 +179,11 @@ def check_fp8_support(fmt: FP8Format, device: torch.device, name: str) -> None:
 def _check_layout(scale_layout: str) -> None:
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"scale_layout: expected one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (`triton.cdiv` goes through Triton's constexpr wrapper: ~10 us a call)."""
+    return -(-a // b)
 
 
 def _aligned(n: int) -> int:
@@ -205,13 +244,26 @@ def quantize_per_token(
         return q, s
     prepare_interpreter()
     block_m = _TILE_ELEMENTS // block
-    grid = (triton.cdiv(m_pad, block_m), nb)
+    grid = (cdiv(m_pad, block_m), nb)
     _quant_per_token_kernel[grid](
         x, q, s, m, m_pad, x.stride(0), k, stride_sm, stride_sk,
         BLOCK=block, BLOCK_M=block_m, EPS=eps, **fp8_constants(f),
         num_warps=4, enable_fp_fusion=False,
     )
     return q, s
+
+
+def check_attn_output_supported(o: torch.Tensor, fmt: str | FP8Format, scale_layout: str) -> FP8Format:
+    """What the Triton kernel needs beyond `check_attn_output_args` (raises ValueError naming the argument)."""
+    _check_layout(scale_layout)
+    if o.stride(2) != 1:
+        raise ValueError(f"o: the last dim must be contiguous (stride 1), got strides {tuple(o.stride())}")
+    if o.shape[2] % 2:
+        raise ValueError(f"o: the triton kernel rotates (even, odd) pairs of a head and needs an even head_dim, "
+                         f"got {o.shape[2]}")
+    f = fp8_format(fmt)
+    check_fp8_support(f, o.device, "fmt")
+    return f
 
 
 def quantize_attn_output(
@@ -222,20 +274,23 @@ def quantize_attn_output(
     n_groups: int,
     fmt: str | FP8Format = "e4m3fn",
     scale_layout: str = "row_major",
+    config: QuantConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused inverse RoPE + per-128 FP8 quantization of the attention output; bytes equal
     `reference.einsum.quantize_attn_output`.
 
-    cos / sin come from `reference.rope.rope_cos_sin` (torch, on o's device) rather than from the
-    kernel's own `cos`/`sin`, which are not bitwise equal to torch's; the table is [T, rope_dim/2] fp32.
+    cos / sin are a torch table computed as the reference computes them (`fp32(p) * f`, then torch's `cos`
+    and `sin`) rather than the kernel's own `cos`/`sin`, which are not bitwise equal to torch's: [2, T,
+    rope_dim/2] fp32, three small torch ops.
 
     Args:
-        o: [T, H, head_dim] bf16, last dim contiguous.
+        o: [T, H, head_dim] bf16, last dim contiguous, head_dim even.
         positions: [T] int.
         freqs: [rope_dim / 2] fp32.
         n_groups: G.
         fmt: FP8 format.
         scale_layout: `"row_major"` or `"deepgemm"` (see the module docstring).
+        config: rows per program and warps; `choose_quant_config(T)` when None (benchmarks and sweeps).
 
     Returns:
         o_fp8: [T, G, H/G*head_dim] FP8, a transposed view of a contiguous [G, T, H/G*head_dim] tensor
@@ -243,12 +298,25 @@ def quantize_attn_output(
             are contiguous, which the Triton einsum's A tiles like too).
         o_scale: [T, G, H/G*head_dim/128] fp32 in `scale_layout`.
     """
-    t, h, head_dim = check_attn_output_args(o, positions, freqs, n_groups, fmt)
-    _check_layout(scale_layout)
-    if o.stride(2) != 1:
-        raise ValueError(f"o: the last dim must be contiguous (stride 1), got strides {tuple(o.stride())}")
-    f = fp8_format(fmt)
-    check_fp8_support(f, o.device, "fmt")
+    check_attn_output_args(o, positions, freqs, n_groups, fmt)
+    return quantize_attn_output_checked(o, positions, freqs, n_groups=n_groups, fmt=fmt, scale_layout=scale_layout,
+                                        config=config)
+
+
+def quantize_attn_output_checked(
+    o: torch.Tensor,
+    positions: torch.Tensor,
+    freqs: torch.Tensor,
+    *,
+    n_groups: int,
+    fmt: str | FP8Format = "e4m3fn",
+    scale_layout: str = "row_major",
+    config: QuantConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_attn_output` for arguments that already passed `check_attn_output_args` (the public op's
+    validation); runs only the Triton-specific checks before it launches."""
+    f = check_attn_output_supported(o, fmt, scale_layout)
+    t, h, head_dim = o.shape
     heads_per_group = h // n_groups
     group_dim = heads_per_group * head_dim
     nb = group_dim // SCALE_BLOCK
@@ -264,14 +332,23 @@ def quantize_attn_output(
         stride_st, stride_sg, stride_sk = n_groups * nb, nb, 1
     if t_pad == 0:
         return o_fp8, o_scale
+    if config is None:
+        config = choose_quant_config(t)
     prepare_interpreter()
-    cos, sin = rope_cos_sin(positions, freqs)
-    _inv_rope_quant_kernel[(t_pad, n_groups)](
-        o, cos.contiguous(), sin.contiguous(), o_fp8, o_scale,
-        t, o.stride(0), o.stride(1), o_fp8.stride(0), o_fp8.stride(1), stride_st, stride_sg, stride_sk,
-        HEADS_PER_GROUP=heads_per_group, HEAD_DIM=head_dim, ROPE_DIM=2 * freqs.numel(),
-        NUM_BLOCKS=nb, BLOCKS_POW2=triton.next_power_of_2(nb), BLOCK=SCALE_BLOCK, EPS=ATTN_OUT_EPS,
-        **fp8_constants(f), num_warps=8 if nb >= 32 else 4, enable_fp_fusion=False,
+    # the reference's `rope_cos_sin`: fp32(p) * f (the int -> fp32 promotion of torch.mul rounds as .to does)
+    half = freqs.shape[0]
+    table = torch.empty((2, t, half), dtype=torch.float32, device=o.device)
+    angles = torch.mul(positions[:, None], freqs)
+    torch.cos(angles, out=table[0])
+    torch.sin(angles, out=table[1])
+    rows_total = t_pad * n_groups * nb
+    _inv_rope_quant_kernel[(-(-rows_total // config.rows),)](
+        o, table[0], table[1], o_fp8, o_scale,
+        t, rows_total, n_groups, o.stride(0), o.stride(1), o_fp8.stride(0), o_fp8.stride(1),
+        stride_st, stride_sg, stride_sk,
+        HEADS_PER_GROUP=heads_per_group, HEAD_DIM=head_dim, ROPE_DIM=2 * half,
+        NUM_BLOCKS=nb, BLOCK=SCALE_BLOCK, ROWS=config.rows, EPS=ATTN_OUT_EPS,
+        **fp8_constants(f), num_warps=config.num_warps, enable_fp_fusion=False,
     )
     return o_fp8, o_scale
 
@@ -279,17 +356,21 @@ def quantize_attn_output(
 # Launch configurations compiled ahead of time (optimized.triton.aot): the attention output of FLASH and
 # PRO (8 heads x 512 per group = 32 blocks of 128), and the per-token kernel at its three block sizes.
 AOT_SPECS = [
-    AotSpec(
-        name="inv_rope_quant[hpg=8,head=512]",
-        kernel=_inv_rope_quant_kernel,
-        signature={"o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*{fp8}", "s_ptr": "*fp32",
-                   **{k: "i32" for k in ("T", "stride_ot", "stride_oh", "stride_qt", "stride_qg", "stride_st",
-                                         "stride_sg", "stride_sk")}},
-        constexprs={"HEADS_PER_GROUP": 8, "HEAD_DIM": 512, "ROPE_DIM": 64, "NUM_BLOCKS": 32, "BLOCKS_POW2": 32,
-                    "BLOCK": SCALE_BLOCK, "EPS": ATTN_OUT_EPS},
-        fp8=True,
-        num_warps=8,
-        aligned=("o_ptr", "cos_ptr", "sin_ptr", "q_ptr", "s_ptr", "stride_ot", "stride_oh", "stride_qt", "stride_qg"),
+    *(
+        AotSpec(
+            name=f"inv_rope_quant[hpg=8,head=512,rows={config.rows}]",
+            kernel=_inv_rope_quant_kernel,
+            signature={"o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*{fp8}", "s_ptr": "*fp32",
+                       **dict.fromkeys(("T", "ROWS_TOTAL", "GROUPS", "stride_ot", "stride_oh", "stride_qt", "stride_qg",
+                                        "stride_st", "stride_sg", "stride_sk"), "i32")},
+            constexprs={"HEADS_PER_GROUP": 8, "HEAD_DIM": 512, "ROPE_DIM": 64, "NUM_BLOCKS": 32,
+                        "BLOCK": SCALE_BLOCK, "ROWS": config.rows, "EPS": ATTN_OUT_EPS},
+            fp8=True,
+            num_warps=config.num_warps,
+            aligned=("o_ptr", "cos_ptr", "sin_ptr", "q_ptr", "s_ptr", "stride_ot", "stride_oh", "stride_qt",
+                     "stride_qg"),
+        )
+        for _, config in QUANT_TABLE
     ),
     *(
         AotSpec(
