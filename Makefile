@@ -15,10 +15,11 @@ BENCH_ARGS ?=
 .PHONY: parity test bench lint clean
 
 parity:
-	TRITON_INTERPRET=$(INTERPRET) $(PY) -m parity_tests $(PARITY_ARGS)
+	OPENBLAS_NUM_THREADS=1 TRITON_INTERPRET=$(INTERPRET) $(PY) -m parity_tests $(PARITY_ARGS)
 
 test:
-	TRITON_INTERPRET=$(INTERPRET) $(PY) -m pytest -q $(TEST_ARGS)
+	# One BLAS thread: NumPy's (the interpreter's) and torch's thread pools otherwise fight on small CPUs.
+	OPENBLAS_NUM_THREADS=1 TRITON_INTERPRET=$(INTERPRET) $(PY) -m pytest -q $(TEST_ARGS)
 
 bench:
 	TRITON_INTERPRET=$(INTERPRET) $(PY) -m benchmarks $(BENCH_ARGS)

@@ -18,7 +18,9 @@ from reference.formats import FP8Format, fp8_format
 @triton.jit
 def ue8m0_scale(amax, QMAX: tl.constexpr, EPS: tl.constexpr):
     """`2^ceil(log2(max(amax, EPS) / QMAX))` from the exponent and mantissa bits, exponent byte in [1, 254]."""
-    ratio = tl.math.div_rn(tl.maximum(amax, EPS), QMAX)  # `/` is the approximate div.full.f32 on NVIDIA
+    # NaN amax must give the reference's NaN-block scale (exponent byte 254): keep NaN through the floor.
+    # `/` is the approximate div.full.f32 on NVIDIA; div_rn is the exact division the reference does.
+    ratio = tl.math.div_rn(tl.maximum(amax, EPS, propagate_nan=tl.PropagateNan.ALL), QMAX)
     bits = ratio.to(tl.int32, bitcast=True)
     exponent = (bits >> 23) & 0xFF
     exponent = exponent + ((bits & 0x7FFFFF) != 0).to(tl.int32)
@@ -36,7 +38,9 @@ def round_to_fp8_grid(x, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HA
     own round-to-nearest-even. A result of zero keeps x's sign where the format has a negative zero
     (e4m3fn, as torch's cast does) and is +0 where it has none (e4m3fnuz: 0x80 is NaN).
     """
-    x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    # NaN must survive the clamp (min/max drop NaN on GPUs by default): the reference keeps it
+    nan = tl.PropagateNan.ALL
+    x = tl.minimum(tl.maximum(x, -FP8_MAX, propagate_nan=nan), FP8_MAX, propagate_nan=nan)
     exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, MIN_NORMAL_EXP)
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
