@@ -17,8 +17,8 @@ BENCH_ARGS ?=
 parity:
 	OPENBLAS_NUM_THREADS=1 TRITON_INTERPRET=$(INTERPRET) $(PY) -m parity_tests $(PARITY_ARGS)
 
+# One BLAS thread: NumPy's (the interpreter's) and torch's thread pools otherwise fight on small CPUs.
 test:
-	# One BLAS thread: NumPy's (the interpreter's) and torch's thread pools otherwise fight on small CPUs.
 	OPENBLAS_NUM_THREADS=1 TRITON_INTERPRET=$(INTERPRET) $(PY) -m pytest -q $(TEST_ARGS)
 
 bench:
