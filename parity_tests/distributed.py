@@ -1,13 +1,14 @@
 """Sharded parity: the backends run sharded over W ranks and are compared with the unsharded reference
 (issue #7; what each rank computes is `reference/sharding.py`).
 
-    torchrun --nproc-per-node W -m parity_tests --distributed [--config TINY] [--ops moe_ep,attention_tp]
+    torchrun --nproc-per-node W -m parity_tests --distributed [--config TINY] [--ops moe_ep,moe_ep_dispatch]
                                                               [--backends reference,triton] [--out DIR]
     python -m parity_tests --distributed          # without torchrun: a world of one rank
 
 Every rank builds the same seeded weights and inputs, keeps its shard (`reference.sharding`), runs it through
-one backend (`backend=`: the reference, or the optimized public API), and the ranks all-reduce their fp32
-partial outputs; rank 0 compares the result with the unsharded reference layer, prints a table and writes a
+one backend (`backend=`: the reference, or the optimized public API), and the ranks combine their outputs
+(an all-reduce of fp32 partials, or all-to-all dispatch and combine); rank 0 compares the result with the
+unsharded reference layer, prints a table and writes a
 JSON report and JUnit XML (`parity_tests.report`'s formats, suite "sharded"); every rank exits with rank 0's
 code (1 when any check failed or a case raised; "not run" is not a failure). Process group: NCCL with one
 GPU per rank (`LOCAL_RANK`) when CUDA is available, else gloo on the CPU; NCCL's NVLink multicast is kept
@@ -20,6 +21,12 @@ Ops:
     public `optimized.route` / `optimized.experts` (the MegaMoE boundary, which returns bf16: their
     per-rank partials are bf16-rounded, like MegaMoE's and DeepEP's combine); their shared expert is
     `experts` with one expert, weight 1, on every token (the same SwiGLU, spec §5.3).
+  * moe_ep_dispatch: expert parallelism with dispatch and combine (DeepEP, MegaMoE; data-parallel attention
+    in front): the tokens are split evenly over the ranks, each rank routes its own, sends every (token, slot)
+    to its expert's owner (`all_to_all_single`: rows, expert ids, routing weights), the owner runs the rows
+    through the expert (reference, or `optimized.experts` with one slot per row), the rows come back, and
+    each token's k outputs are summed in fp32 in ascending expert id, plus the shared expert, bf16 once
+    (`reference.sharding.combine_dispatched`). The reference result is bitwise the unsharded layer's.
   * attention_tp: tensor parallelism. Rank r runs the unchanged attention layer (reference or
     `optimized.Attention`) with its heads and `wo_a` groups (`shard_attention_weights`): a prefill
     of a batch of sequences of different lengths, then one decode step per sequence from its own cache. The
@@ -34,6 +41,9 @@ Checks (rank 0, per case and backend):
     kernels (`tolerances.sharded_bound`). Tokens whose expert set differs from the reference router's by a
     near tie are left out and counted (spec §7.1 pitfall 5).
   * "W = 1 equals the unsharded layer" (reference backend, one rank): bitwise.
+  * moe_ep_dispatch: "combined vs unsharded reference" bitwise for the reference, `MOE_SIMULATED` for the
+    optimized backends (no partial sums: each row is one expert's output); "every (token, slot) received once
+    by its expert's owner": bitwise.
   * "per shard vs reference shard" (optimized backends): each rank's partial against the reference's rank
     output on the same shard and the same routing, the op's own bound; the worst rank is reported.
   * moe_ep: "routing identical on every rank" and "each (token, slot) on exactly one rank": bitwise.
@@ -77,12 +87,16 @@ from reference.config import DSv4Config, get_config
 from reference.moe import MoEWeights, expert_sum, moe, random_moe_weights, route, router_scores, shared_expert
 from reference.numerics import PRESETS, Numerics
 from reference.sharding import (
+    DispatchPlan,
     MoEShard,
     attention_rank_output,
     combine_attention,
+    combine_dispatched,
     combine_moe,
+    dispatched_expert_outputs,
     local_expert_ids,
     moe_rank_output,
+    plan_dispatch,
     shard_attention_weights,
     shard_moe_weights,
 )
@@ -93,7 +107,7 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 # How long a rank waits in a collective for the others (a crashed rank must not hang the run for gloo's
 # default 30 minutes); DSV4_DIST_TIMEOUT overrides it, in seconds.
 COLLECTIVE_TIMEOUT_S = 600
-OPS = ("moe_ep", "attention_tp")
+OPS = ("moe_ep", "moe_ep_dispatch", "attention_tp")
 BACKENDS = ("reference", "triton", "deepgemm")
 SUITE = "sharded"
 WEIGHT_SEED = 0
@@ -132,6 +146,19 @@ class World:
         out = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(out, t)
         return out
+
+    def all_to_all(self, t: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Send rows `[sum(send_counts[:d]), sum(send_counts[:d+1]))` of `t` to rank d; returns the rows received
+        (from rank 0 first) and how many came from each rank. bf16 travels as fp32 (exact both ways; gloo's
+        all-to-all has no 2-byte types)."""
+        counts = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts)
+        recv_counts = received.tolist()
+        wire = (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).contiguous()
+        out = wire.new_empty((sum(recv_counts), *wire.shape[1:]))
+        dist.all_to_all_single(out, wire, output_split_sizes=recv_counts, input_split_sizes=list(send_counts))
+        return out.to(t.dtype), recv_counts
 
     def gather_floats(self, value: float) -> list[float]:
         """A Python float of every rank, in rank order."""
@@ -186,7 +213,7 @@ class ShardedSpec:
     """One sharded case.
 
     Attributes:
-        op: "moe_ep" or "attention_tp".
+        op: one of `OPS`.
         config: "TINY", "FLASH" or "PRO".
         layer_id: the layer (MoE: 0 is a hash layer, `n_hash_layers` the first top-k one; attention: its kind).
         lengths: prefill tokens of each sequence (MoE: one entry, the token count).
@@ -215,7 +242,7 @@ class ShardedSpec:
 
     def label(self, world: int) -> str:
         parts = [f"W={world}", f"layer={self.layer_id}"]
-        if self.op == "moe_ep":
+        if self.op.startswith("moe"):
             parts += [f"T={self.tokens}", self.expert_format]
             return ",".join([*parts, self.numerics])
         parts += ["seqs=" + "+".join(map(str, self.lengths)), *(["+decode"] if self.decode else [])]
@@ -234,12 +261,15 @@ def specs(config: str) -> list[ShardedSpec]:
         return [
             s(op="moe_ep", layer_id=topk_layer, lengths=(8,)),
             s(op="moe_ep", layer_id=hash_layer, lengths=(8,), fmt="e4m3fnuz", expert_format="fp4"),
+            s(op="moe_ep_dispatch", layer_id=topk_layer, lengths=(8,)),
             s(op="attention_tp", layer_id=csa, lengths=(3, 6)),
         ]
     return [
         s(op="moe_ep", layer_id=topk_layer, lengths=(64,)),
         s(op="moe_ep", layer_id=topk_layer, lengths=(4096,), expert_format="fp4"),
         s(op="moe_ep", layer_id=hash_layer, lengths=(512,)),
+        s(op="moe_ep_dispatch", layer_id=topk_layer, lengths=(4096,), expert_format="fp4"),
+        s(op="moe_ep_dispatch", layer_id=hash_layer, lengths=(64,)),
         s(op="attention_tp", layer_id=csa, lengths=(2100, 40)),
         s(op="attention_tp", layer_id=hca, lengths=(1100, 5), numerics="vllm_nvidia"),
     ]
@@ -275,7 +305,7 @@ def _require(spec: ShardedSpec, backend: str, world: World) -> None:
     if backend == "deepgemm" and spec.fmt != "e4m3fn":
         raise NotRun("DeepGEMM supports e4m3fn only")
     experts = get_config(spec.config).n_routed_experts
-    if spec.op == "moe_ep" and experts % world.size:
+    if spec.op.startswith("moe") and experts % world.size:
         raise NotRun(f"expert parallelism needs W to divide the {experts} routed experts; W = {world.size}")
 
 
@@ -323,6 +353,44 @@ def _one_expert(w: Fp8Weight) -> Fp8Weight:
     return Fp8Weight(w.data[None], w.scale[None])
 
 
+def _route(x: torch.Tensor, token_ids: torch.Tensor, shard: MoEShard, cfg: DSv4Config, backend: str
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_ids [T, k] int32, topk_weights [T, k] fp32) of `backend`'s router (the replicated gate)."""
+    if backend == "reference":
+        return route(x, shard.gate, shard.bias, token_ids=token_ids, tid2eid=shard.tid2eid, cfg=cfg)
+    import optimized
+
+    return optimized.route(x, shard.gate, shard.bias, token_ids=token_ids, tid2eid=shard.tid2eid, cfg=cfg,
+                           backend=backend)
+
+
+def _shared(x: torch.Tensor, shard: MoEShard, cfg: DSv4Config, numerics: Numerics, backend: str) -> torch.Tensor:
+    """The shared expert on `x`, [T, D] bf16. The optimized backends have no shared-expert op of its own: it is
+    the routed SwiGLU with weight 1 on every token (spec §5.3), i.e. `experts` with one expert and one slot."""
+    if backend == "reference":
+        return shared_expert(x, shard.shared_w13, shard.shared_w2, swiglu_limit=cfg.swiglu_limit, numerics=numerics)
+    import optimized
+
+    n_tokens = x.shape[0]
+    return optimized.experts(x, torch.zeros((n_tokens, 1), dtype=torch.int32, device=x.device),
+                             torch.ones((n_tokens, 1), dtype=torch.float32, device=x.device),
+                             _one_expert(shard.shared_w13), _one_expert(shard.shared_w2),
+                             swiglu_limit=cfg.swiglu_limit if numerics.shared_expert_clamp else 0.0,
+                             numerics=numerics, backend=backend)
+
+
+def _route_checks(x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DSv4Config,
+                  candidate_ids: torch.Tensor) -> tuple[list[Check], torch.Tensor]:
+    """The candidate router's expert sets against the reference's (near ties allowed, spec §7.1 pitfall 5), and
+    the tokens whose sets agree (the ones whose outputs are compared)."""
+    ref_ids, ref_weights = route(x, weights.gate, weights.bias, token_ids=token_ids, tid2eid=weights.tid2eid, cfg=cfg)
+    keys = None if weights.bias is None else router_scores(x, weights.gate) + weights.bias
+    agree = route_agreement(ref_ids, ref_weights, candidate_ids, keys, cfg.n_routed_experts)
+    check = Check("expert sets vs reference router", ROUTE_SETS, int(agree.unexplained.sum()),
+                  f"{int(agree.near_tie.sum())} near-tie tokens left out of the output comparison")
+    return [check], agree.same
+
+
 @dataclass(frozen=True)
 class _MoELocal:
     ids: torch.Tensor  # [T, k] int32, this rank's routing (global expert ids)
@@ -334,32 +402,23 @@ class _MoELocal:
 
 def _moe_local(x: torch.Tensor, token_ids: torch.Tensor, shard: MoEShard, cfg: DSv4Config, numerics: Numerics,
                backend: str) -> _MoELocal:
-    limit = cfg.swiglu_limit
+    ids, weights = _route(x, token_ids, shard, cfg, backend)
+    shared = _shared(x, shard, cfg, numerics, backend)
     if backend == "reference":
-        ids, weights = route(x, shard.gate, shard.bias, token_ids=token_ids, tid2eid=shard.tid2eid, cfg=cfg)
         partial = moe_rank_output(x, shard, token_ids=token_ids, cfg=cfg, numerics=numerics)
-        shared = shared_expert(x, shard.shared_w13, shard.shared_w2, swiglu_limit=limit, numerics=numerics)
         return _MoELocal(ids, weights, partial, shared, None)
-    import optimized as opt
+    import optimized
 
-    ids, weights = opt.route(x, shard.gate, shard.bias, token_ids=token_ids, tid2eid=shard.tid2eid, cfg=cfg,
-                             backend=backend)
     local_ids = local_expert_ids(ids, shard.expert_start, shard.expert_stop)
-    partial = opt.experts(x, local_ids, weights, shard.w13, shard.w2, swiglu_limit=limit, numerics=numerics,
-                          backend=backend).float()
-    # the shared expert is the routed SwiGLU with weight 1 on every token: one expert, one slot (spec §5.3)
-    n_tokens = x.shape[0]
-    shared = opt.experts(x, torch.zeros((n_tokens, 1), dtype=torch.int32, device=x.device),
-                         torch.ones((n_tokens, 1), dtype=torch.float32, device=x.device),
-                         _one_expert(shard.shared_w13), _one_expert(shard.shared_w2),
-                         swiglu_limit=limit if numerics.shared_expert_clamp else 0.0, numerics=numerics,
-                         backend=backend)
+    limit = cfg.swiglu_limit
+    partial = optimized.experts(x, local_ids, weights, shard.w13, shard.w2, swiglu_limit=limit, numerics=numerics,
+                                backend=backend).float()
     reference_partial = expert_sum(x, local_ids, weights, shard.w13, shard.w2, swiglu_limit=limit, numerics=numerics)
     return _MoELocal(ids, weights, partial, shared, reference_partial)
 
 
 def run_moe_ep(spec: ShardedSpec, backend: str, world: World) -> list[Check]:
-    """One expert-parallel MoE case on every rank; the checks on rank 0 (see the module docstring)."""
+    """One expert-parallel MoE case (replicated tokens, all-reduce) on every rank; the checks on rank 0."""
     _require(spec, backend, world)
     cfg, numerics = get_config(spec.config), _numerics(spec)
     weights, x, token_ids = _moe_inputs(spec, cfg, world.device)
@@ -375,18 +434,12 @@ def run_moe_ep(spec: ShardedSpec, backend: str, world: World) -> list[Check]:
         return []
 
     ref = moe(x, weights, token_ids=token_ids, cfg=cfg, numerics=numerics)
-    ref_ids, ref_weights = route(x, weights.gate, weights.bias, token_ids=token_ids, tid2eid=weights.tid2eid, cfg=cfg)
-    keys = None if weights.bias is None else router_scores(x, weights.gate) + weights.bias
-    agree = route_agreement(ref_ids, ref_weights, local.ids, keys, cfg.n_routed_experts)
-    rows = agree.same
-    slots = owners.numel()
-    checks = [
+    checks, rows = _route_checks(x, token_ids, weights, cfg, local.ids)
+    checks += [
         Check("routing identical on every rank", BITWISE, _mismatches(all_ids) + _mismatches(all_weights),
               f"topk_ids and topk_weights of {world.size} ranks against rank 0's"),
         Check("each (token, slot) on exactly one rank", BITWISE, int((owners != 1).sum()),
-              f"{slots} slots over experts split {cfg.n_routed_experts // world.size} per rank"),
-        Check("expert sets vs reference router", ROUTE_SETS, int(agree.unexplained.sum()),
-              f"{int(agree.near_tie.sum())} near-tie tokens left out of the output comparison"),
+              f"{owners.numel()} slots over experts split {cfg.n_routed_experts // world.size} per rank"),
     ]
     if backend == "reference":
         bound = SHARDED_FP32_PARTIALS
@@ -399,6 +452,72 @@ def run_moe_ep(spec: ShardedSpec, backend: str, world: World) -> list[Check]:
                                 f"{int(rows.sum())} of {spec.tokens} tokens"))
     if backend == "reference" and world.size == 1:
         checks.append(_bitwise("W = 1 equals the unsharded layer", out, ref))
+    return checks
+
+
+def _dispatched_rows(rows: torch.Tensor, experts: torch.Tensor, route_weights: torch.Tensor, shard: MoEShard,
+                     cfg: DSv4Config, numerics: Numerics, backend: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The expert owner's work on the rows it received: (the backend's y rows [n, D] fp32, the reference's on the
+    same rows or None)."""
+    reference = dispatched_expert_outputs(rows, experts, route_weights, shard, cfg=cfg, numerics=numerics)
+    if backend == "reference":
+        return reference, None
+    import optimized
+
+    local = local_expert_ids(experts[:, None], shard.expert_start, shard.expert_stop)
+    y = optimized.experts(rows, local, route_weights[:, None].float().contiguous(), shard.w13, shard.w2,
+                          swiglu_limit=cfg.swiglu_limit, numerics=numerics, backend=backend)
+    return y.float(), reference
+
+
+def run_moe_ep_dispatch(spec: ShardedSpec, backend: str, world: World) -> list[Check]:
+    """One expert-parallel MoE case with dispatch and combine (tokens split over the ranks, two all-to-alls) on
+    every rank; the checks on rank 0."""
+    _require(spec, backend, world)
+    if spec.tokens % world.size:
+        raise NotRun(f"the case splits its {spec.tokens} tokens evenly over the ranks; W = {world.size}")
+    cfg, numerics = get_config(spec.config), _numerics(spec)
+    weights, x_all, token_ids_all = _moe_inputs(spec, cfg, world.device)
+    mine = slice(world.rank * spec.tokens // world.size, (world.rank + 1) * spec.tokens // world.size)
+    x, token_ids = x_all[mine], token_ids_all[mine]
+    shard = shard_moe_weights(weights, cfg, world.rank, world.size)
+
+    def plan() -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
+        ids, route_weights = _route(x, token_ids, shard, cfg, backend)
+        return ids, route_weights, plan_dispatch(ids, cfg.n_routed_experts, world.size)
+
+    ids, route_weights, sends = world.together(plan)
+    rows, received = world.all_to_all(x[sends.token], sends.counts)  # dispatch
+    experts, _ = world.all_to_all(sends.expert, sends.counts)
+    row_weights, _ = world.all_to_all(route_weights[sends.token, sends.slot], sends.counts)
+    y_rows, reference_rows = world.together(
+        lambda: _dispatched_rows(rows, experts, row_weights, shard, cfg, numerics, backend))
+    y_back, _ = world.all_to_all(y_rows, received)  # combine: every row returns to its token's rank
+    shared = world.together(lambda: _shared(x, shard, cfg, numerics, backend))
+    out = torch.cat(world.all_gather(combine_dispatched(y_back, sends, ids, shared)))
+
+    misrouted = int(((experts < shard.expert_start) | (experts >= shard.expert_stop)).sum())
+    counts = world.gather_floats(float(len(experts)))
+    misrouted_all = world.gather_floats(float(misrouted))
+    shard_diffs = world.gather_floats(calc_diff(y_rows, reference_rows) if reference_rows is not None else 0.0)
+    all_ids = torch.cat(world.all_gather(ids))
+    if world.rank != 0:
+        return []
+
+    ref = moe(x_all, weights, token_ids=token_ids_all, cfg=cfg, numerics=numerics)
+    checks, rows_ok = _route_checks(x_all, token_ids_all, weights, cfg, all_ids)
+    checks.append(Check("every (token, slot) received once by its expert's owner", BITWISE,
+                        abs(sum(counts) - all_ids.numel()) + sum(misrouted_all),
+                        f"{int(sum(counts))} rows received for {all_ids.numel()} slots; per rank "
+                        f"{[int(c) for c in counts]}"))
+    if backend == "reference":
+        checks.append(_bitwise("combined vs unsharded reference", out, ref))
+    else:
+        worst = _worst_rank(shard_diffs)
+        checks.append(Check("per shard vs reference shard", MOE_SIMULATED, shard_diffs[worst],
+                            f"worst of {world.size} ranks: rank {worst} (the rows it received)"))
+        checks.append(_output_check("combined vs unsharded reference", MOE_SIMULATED, out[rows_ok], ref[rows_ok],
+                                    f"{int(rows_ok.sum())} of {spec.tokens} tokens"))
     return checks
 
 
@@ -495,6 +614,7 @@ def run_attention_tp(spec: ShardedSpec, backend: str, world: World) -> list[Chec
 
 RUNNERS: dict[str, Callable[[ShardedSpec, str, World], list[Check]]] = {
     "moe_ep": run_moe_ep,
+    "moe_ep_dispatch": run_moe_ep_dispatch,
     "attention_tp": run_attention_tp,
 }
 

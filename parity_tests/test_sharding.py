@@ -25,11 +25,14 @@ from reference.rope import yarn_frequencies
 from reference.sharding import (
     attention_rank_output,
     combine_attention,
+    combine_dispatched,
     combine_moe,
+    dispatched_expert_outputs,
     fp8_columns,
     fp8_rows,
     local_expert_ids,
     moe_rank_output,
+    plan_dispatch,
     shard_attention_weights,
     shard_moe_weights,
     tp_attention_config,
@@ -229,8 +232,9 @@ def test_fp8_slices_keep_their_scale_blocks_and_reject_splitting_one() -> None:
 
 @pytest.mark.parametrize("world", (2, 4))
 def test_torchrun_gloo_sharded_parity_passes(world: int, tmp_path: Path) -> None:
-    """`torchrun --nproc-per-node W -m parity_tests --distributed --config TINY` exits 0; every MoE and attention
-    case ran and passed for the reference and the Triton backend (interpreter); DeepGEMM is reported not run."""
+    """`torchrun --nproc-per-node W -m parity_tests --distributed --config TINY` exits 0; every MoE (all-reduce and
+    dispatch/combine) and attention case ran and passed for the reference and the Triton backend (interpreter);
+    DeepGEMM is reported not run."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", "parity_tests", "--distributed", "--config", "TINY", "--out", str(tmp_path)]
@@ -238,7 +242,8 @@ def test_torchrun_gloo_sharded_parity_passes(world: int, tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = json.loads((tmp_path / f"sharded-w{world}.json").read_text())["results"]
     ran = {(r["op"], r["backend"]) for r in results if r["status"] == "pass"}
-    assert ran == {(op, b) for op in ("moe_ep", "attention_tp") for b in ("reference", "triton")}, results
+    assert ran == {(op, b) for op in ("moe_ep", "moe_ep_dispatch", "attention_tp") for b in ("reference", "triton")}, \
+        results
     assert all(r["status"] == "pass" or (r["backend"] == "deepgemm" and r["status"] == "not_run") for r in results)
     assert all(f"W={world}" in r["shape"] for r in results)
 
@@ -250,3 +255,58 @@ def test_distributed_mode_without_torchrun_is_a_world_of_one(capsys: pytest.Capt
     out = capsys.readouterr().out
     assert "1 rank(s), gloo" in out and "NCCL_NVLS_ENABLE=0" in out
     assert out.count("moe_ep[TINY,W=1,") == 2
+
+
+def _dispatch_combine(weights: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, world: int) -> torch.Tensor:
+    """EP with dispatch and combine, the two all-to-alls played in one process: rank r holds token chunk r."""
+    shards = [shard_moe_weights(weights, TINY, r, world) for r in range(world)]
+    xs, ids = x.tensor_split(world), token_ids.tensor_split(world)
+    routes = [route(xs[r], weights.gate, weights.bias, token_ids=ids[r], tid2eid=weights.tid2eid, cfg=TINY)
+              for r in range(world)]
+    plans = [plan_dispatch(topk_ids, TINY.n_routed_experts, world) for topk_ids, _ in routes]
+
+    def sent(src: int, dst: int) -> slice:  # the pairs `src` sends to `dst`: a run of its plan
+        counts = plans[src].counts
+        return slice(sum(counts[:dst]), sum(counts[:dst + 1]))
+
+    # dispatch: rank d receives from every rank, in rank order, the rows, experts and weights of its pairs
+    outputs = []
+    for d in range(world):
+        parts = [(plans[s].token[sent(s, d)], plans[s].slot[sent(s, d)], s) for s in range(world)]
+        rows = torch.cat([xs[s][tok] for tok, _, s in parts])
+        experts = torch.cat([plans[s].expert[sent(s, d)] for _, _, s in parts])
+        route_weights = torch.cat([routes[s][1][tok, slot] for tok, slot, s in parts])
+        y = dispatched_expert_outputs(rows, experts, route_weights, shards[d], cfg=TINY, numerics=OFFICIAL)
+        outputs.append(y.split([len(tok) for tok, _, _ in parts]))
+    # combine: rank s gets its rows back from every rank, in rank order, i.e. in its plan's send order
+    out = []
+    for s in range(world):
+        shared = shared_expert(xs[s], weights.shared_w13, weights.shared_w2, swiglu_limit=TINY.swiglu_limit,
+                               numerics=OFFICIAL)
+        y_rows = torch.cat([outputs[d][s] for d in range(world)])
+        out.append(combine_dispatched(y_rows, plans[s], routes[s][0], shared))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize(("layer_id", "expert_format", "world"), [(TOPK_LAYER, "fp8", 4), (HASH_LAYER, "fp4", 2)],
+                         ids=["topk-fp8-4", "hash-fp4-2"])
+def test_moe_dispatch_combine_equals_the_unsharded_layer_bitwise(layer_id: int, expert_format: str, world: int
+                                                                 ) -> None:
+    """Tokens split over the ranks, each (token, slot) sent to its expert's owner and back, summed in ascending
+    expert id on the token's rank: bitwise the unsharded layer (no partial sums are formed)."""
+    weights, x, token_ids = _moe_case(layer_id, expert_format)
+    ref = moe(x, weights, token_ids=token_ids, cfg=TINY, numerics=OFFICIAL)
+    assert torch.equal(_bits(_dispatch_combine(weights, x, token_ids, world)), _bits(ref))
+
+
+def test_dispatch_plan_sends_every_slot_to_its_experts_owner_once() -> None:
+    weights, x, _ = _moe_case(TOPK_LAYER, "fp8")
+    topk_ids, _ = route(x, weights.gate, weights.bias, token_ids=None, tid2eid=None, cfg=TINY)
+    plan = plan_dispatch(topk_ids, TINY.n_routed_experts, 4)
+    assert sum(plan.counts) == topk_ids.numel()
+    assert torch.equal(plan.expert, topk_ids[plan.token, plan.slot].long())
+    owners = torch.repeat_interleave(torch.arange(4), torch.tensor(plan.counts))
+    assert torch.equal(plan.expert // (TINY.n_routed_experts // 4), owners)
+    seen = torch.zeros_like(topk_ids)
+    seen[plan.token, plan.slot] += 1
+    assert torch.equal(seen, torch.ones_like(topk_ids))

@@ -55,6 +55,16 @@ W = 1 is bitwise; for W > 1 the fp32 sums differ in the last bits, and the bf16 
 where that moves a sum across a bf16 rounding boundary (one bf16 ulp on rare elements):
 `tolerances.SHARDED_FP32_PARTIALS`. The all-reduce's own order (NCCL ring / tree, gloo) is unspecified;
 it is one more fp32 association and changes nothing above.
+
+MoE, expert parallel with dispatch and combine (DeepEP, MegaMoE; data-parallel attention in front): the
+tokens are split over the ranks instead of replicated. Each rank routes its own tokens, sends every
+(token, slot) to the rank that owns the slot's expert (`plan_dispatch`; the token's row, expert id and
+routing weight travel), the owner runs each received row through that expert (`dispatched_expert_outputs`:
+`y_e`, bf16), the rows travel back, and the token's rank sums its k outputs in fp32 in ascending expert id,
+adds its shared expert and casts once (`combine_dispatched`). Every y_e is computed exactly as unsharded (the
+expert linears accumulate order-independently, `reference.invariant`, so a row's result does not depend on
+the other rows of its batch) and summed in the unsharded order: the result is bitwise the unsharded layer's,
+for every W.
 """
 
 from __future__ import annotations
@@ -295,3 +305,94 @@ def combine_moe(reduced: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         [T, D] bf16.
     """
     return (reduced + shared.float()).to(torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE: expert parallel with dispatch and combine (DeepEP / MegaMoE)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Where one rank sends its (token, slot) pairs: grouped by destination rank, in rank order.
+
+    Attributes:
+        token: [n] int64 — the pair's token (row of this rank's x), in send order.
+        slot: [n] int64 — its top-k slot.
+        expert: [n] int64 — its global expert id.
+        counts: pairs sent to each rank (len W); the first `counts[0]` pairs go to rank 0, and so on.
+    """
+
+    token: torch.Tensor
+    slot: torch.Tensor
+    expert: torch.Tensor
+    counts: list[int]
+
+
+def plan_dispatch(topk_ids: torch.Tensor, n_experts: int, world: int) -> DispatchPlan:
+    """Group this rank's (token, slot) pairs by the rank that owns their expert (rank `e // (E/W)`); within a
+    destination, token-major order (a stable sort, so the plan is deterministic).
+
+    Args:
+        topk_ids: [T, k] int, values in [0, E) (this rank's tokens' routing).
+        n_experts: E. world: W (must divide E).
+
+    Returns:
+        The `DispatchPlan`.
+    """
+    shard_range(n_experts, 0, world, "routed experts (n_routed_experts)")  # raises unless W divides E
+    expert = topk_ids.long().flatten()
+    owner = expert // (n_experts // world)
+    order = torch.sort(owner, stable=True).indices
+    k = topk_ids.shape[1]
+    counts = torch.bincount(owner, minlength=world).tolist()
+    return DispatchPlan(order // k, order % k, expert[order], counts)
+
+
+def dispatched_expert_outputs(
+    x_rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, shard: MoEShard, *, cfg: DSv4Config,
+    numerics: Numerics,
+) -> torch.Tensor:
+    """What an expert owner computes for the rows it received: each row through its expert with its routing
+    weight (`expert_forward`: gate/up, SwiGLU, weight before the down projection), bf16 values.
+
+    Args:
+        x_rows: [n, D] bf16 — one row per received (token, slot).
+        experts: [n] int — global expert ids, all owned by this rank.
+        weights: [n] fp32 — the routing weights.
+        shard: this rank's `MoEShard`.
+
+    Returns:
+        [n, D] fp32 (exact bf16 values y_e), to send back.
+    """
+    local = local_expert_ids(experts[:, None], shard.expert_start, shard.expert_stop)
+    if bool((local < 0).any()):
+        raise ValueError(f"experts: rank {shard.rank} owns experts [{shard.expert_start}, {shard.expert_stop}), "
+                         "received rows for others")
+    return expert_sum(x_rows, local, weights[:, None].float(), shard.w13, shard.w2, swiglu_limit=cfg.swiglu_limit,
+                      numerics=numerics)
+
+
+def combine_dispatched(
+    y_rows: torch.Tensor, plan: DispatchPlan, topk_ids: torch.Tensor, shared: torch.Tensor
+) -> torch.Tensor:
+    """Back on the tokens' rank: each token's k expert outputs summed in fp32 in ascending expert id (the
+    unsharded order), plus the shared expert in fp32, cast to bf16 once.
+
+    Args:
+        y_rows: [n, D] fp32 — the expert outputs, in the plan's send order (as they come back).
+        plan: this rank's `DispatchPlan`.
+        topk_ids: [T, k] int — this rank's routing.
+        shared: [T, D] bf16 — the shared expert on this rank's tokens.
+
+    Returns:
+        [T, D] bf16.
+    """
+    n_tokens, k = topk_ids.shape
+    per_slot = torch.zeros((n_tokens, k, y_rows.shape[1]), dtype=torch.float32, device=y_rows.device)
+    per_slot[plan.token, plan.slot] = y_rows
+    order = torch.sort(topk_ids.long(), dim=1, stable=True).indices  # each token's slots by ascending expert id
+    routed = torch.zeros((n_tokens, y_rows.shape[1]), dtype=torch.float32, device=y_rows.device)
+    for j in range(k):
+        routed = routed + per_slot[torch.arange(n_tokens, device=y_rows.device), order[:, j]]
+    return (routed + shared.float()).to(torch.bfloat16)
