@@ -268,7 +268,7 @@ def specs(config: str) -> list[ShardedSpec]:
         s(op="moe_ep", layer_id=topk_layer, lengths=(64,)),
         s(op="moe_ep", layer_id=topk_layer, lengths=(4096,), expert_format="fp4"),
         s(op="moe_ep", layer_id=hash_layer, lengths=(512,)),
-        s(op="moe_ep_dispatch", layer_id=topk_layer, lengths=(4096,), expert_format="fp4"),
+        s(op="moe_ep_dispatch", layer_id=topk_layer, lengths=(512,), expert_format="fp4"),
         s(op="moe_ep_dispatch", layer_id=hash_layer, lengths=(64,)),
         s(op="attention_tp", layer_id=csa, lengths=(2100, 40)),
         s(op="attention_tp", layer_id=hca, lengths=(1100, 5), numerics="vllm_nvidia"),
