@@ -578,6 +578,208 @@ def _moe_entries() -> list[BadInput]:
     ]
 
 
+# ------------------------------------------------------------------------------------------------
+# Attention: sparse attention, projections, indexer, compressor, the layer (TINY; layer 1 is CSA)
+# ------------------------------------------------------------------------------------------------
+
+_CSA = 1
+
+
+@functools.lru_cache(maxsize=2)
+def _attention_weights(device: str, fmt: str = "e4m3fn") -> Any:
+    from reference.attention import random_attention_weights
+    from reference.config import TINY
+
+    return random_attention_weights(TINY, _CSA, fmt=fmt, generator=torch.Generator().manual_seed(7), device=device)
+
+
+def _sparse_inputs(d: str) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(8)
+    indices = torch.stack([torch.randperm(40, generator=g)[:12] for _ in range(3)]).to(torch.int32)
+    indices[:, -2:] = -1
+    return {"q": torch.randn(3, 8, 512, generator=g).to(torch.bfloat16).to(d),
+            "kv": torch.randn(40, 512, generator=g).to(torch.bfloat16).to(d), "indices": indices.to(d),
+            "sink": torch.randn(8, generator=g).to(d), "scale": 512**-0.5}
+
+
+def _sparse_attention(backend: str | None, d: str, **change: Any) -> Any:
+    import optimized
+
+    i = {**_sparse_inputs(d), **change}
+    return optimized.sparse_attention(i["q"], i["kv"], i["indices"], i["sink"], i["scale"], backend=backend)
+
+
+def _layer_numerics() -> Any:
+    from reference.numerics import VLLM_NVIDIA
+
+    return VLLM_NVIDIA
+
+
+def _projection(op: str, backend: str | None, d: str, **change: Any) -> Any:
+    import optimized
+    from reference.config import TINY
+    from reference.rope import yarn_frequencies
+
+    i = {"x": _moe_x(d), "w": _attention_weights(d), "cfg": TINY, "positions": torch.arange(4, device=d),
+         "freqs": yarn_frequencies(TINY, 4).to(d), "numerics": _layer_numerics(), **change}
+    return getattr(optimized, op)(i["x"], i["w"], i["cfg"], i["positions"], i["freqs"], i["numerics"],
+                                  backend=backend)
+
+
+def _indexer_topk(backend: str | None, d: str, **change: Any) -> Any:
+    import optimized
+
+    g = torch.Generator().manual_seed(9)
+    i = {"scores": torch.randn(4, 10, generator=g).to(d), "n_visible": torch.tensor([0, 3, 10, 10], device=d),
+         "topk": 8, **change}
+    return optimized.indexer_topk(i["scores"], i["n_visible"], i["topk"], backend=backend)
+
+
+def _compress(backend: str | None, d: str, **change: Any) -> Any:
+    import optimized
+    from reference.config import TINY
+    from reference.rope import yarn_frequencies
+
+    i = {"x": torch.randn(9, 256, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16).to(d),
+         "positions": torch.arange(9, device=d), "weights": _attention_weights(d).compressor, "ratio": 4,
+         "head_dim": 512, **change}
+    return optimized.compress(i["x"], i["positions"], i["weights"], ratio=i["ratio"], head_dim=i["head_dim"],
+                              freqs=yarn_frequencies(TINY, 4).to(d), numerics=_layer_numerics(), rotate="main",
+                              backend=backend)
+
+
+def _layer(backend: str | None, d: str, **change: Any) -> Any:
+    import optimized
+    from reference.config import TINY
+
+    i = {"x": torch.randn(5, 256, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16).to(d),
+         "positions": torch.arange(5, device=d), "cu_seqlens": torch.tensor([0, 5], dtype=torch.int32, device=d),
+         **change}
+    layer = optimized.Attention(TINY, _CSA, _attention_weights(d), _layer_numerics(), backend=backend)
+    return layer(i["x"], i["positions"], i["cu_seqlens"])
+
+
+def _attention_entries() -> list[BadInput]:
+    def sparse(name: str) -> Any:
+        return lambda d: _sparse_inputs(d)[name]
+
+    def duplicate_row(d: str) -> torch.Tensor:
+        indices = _sparse_inputs(d)["indices"].clone()
+        indices[2, 1] = indices[2, 0]
+        return indices
+
+    def nan_query(d: str) -> torch.Tensor:
+        q = _sparse_inputs(d)["q"].clone()
+        q[1, 3, 7] = float("nan")
+        return q
+
+    def all_empty_token(d: str) -> torch.Tensor:
+        indices = _sparse_inputs(d)["indices"].clone()
+        indices[0] = -1
+        return indices
+
+    def token_zero_is_zero(out: Any) -> str | None:
+        return None if bool((out[0] == 0).all()) else "a token without any slot has a non-zero output"
+
+    def nan_in_head_only(out: Any) -> str | None:  # a NaN query element poisons its own (token, head) only
+        bad = ~out.float().isfinite()
+        others = bad.clone()
+        others[1, 3] = False
+        if bool(others.any()):
+            return f"non-finite outside token 1 head 3 (at {others.nonzero()[0].tolist()})"
+        return None if bool(bad[1, 3].any()) else "token 1 head 3 carries NaN in but none out"
+
+    return [
+        BadInput("sparse_attention/q_fp32", "sparse_attention", "dtype",
+                 lambda b, d: _sparse_attention(b, d, q=sparse("q")(d).float()), TypeError, "q: expected bfloat16"),
+        BadInput("sparse_attention/head_dim_448", "sparse_attention", "shape",
+                 lambda b, d: _sparse_attention(b, d, q=sparse("q")(d)[..., :448].contiguous()),
+                 ValueError, "q: expected [T, H, 512]"),
+        BadInput("sparse_attention/kv_fp8_without_packing", "sparse_attention", "fp8_format",
+                 lambda b, d: _sparse_attention(b, d, kv=sparse("kv")(d).to(torch.float8_e4m3fn)),
+                 TypeError, "kv: expected bf16 rows [N, 512] or packed FP8 cache rows [N, 584] uint8"),
+        BadInput("sparse_attention/kv_not_contiguous", "sparse_attention", "layout",
+                 lambda b, d: _sparse_attention(b, d, kv=sparse("kv")(d)[::2]),
+                 ValueError, "kv: expected contiguous [N, 512]"),
+        BadInput("sparse_attention/indices_int64", "sparse_attention", "dtype",
+                 lambda b, d: _sparse_attention(b, d, indices=sparse("indices")(d).long()),
+                 TypeError, "indices: expected int32"),
+        BadInput("sparse_attention/index_past_the_pool", "sparse_attention", "range",
+                 lambda b, d: _sparse_attention(b, d, indices=sparse("indices")(d).clamp(min=0) + 30),
+                 ValueError, "indices: expected values in -1..39"),
+        BadInput("sparse_attention/a_row_selected_twice", "sparse_attention", "range",
+                 lambda b, d: _sparse_attention(b, d, indices=duplicate_row(d)),
+                 ValueError, "indices: row 2 selects a kv row twice"),
+        BadInput("sparse_attention/sink_per_token", "sparse_attention", "shape",
+                 lambda b, d: _sparse_attention(b, d, sink=torch.zeros(3, 8, device=d)),
+                 ValueError, "sink: expected contiguous [8]"),
+        BadInput("sparse_attention/negative_scale", "sparse_attention", "value",
+                 lambda b, d: _sparse_attention(b, d, scale=-1.0), ValueError, "scale: expected a positive float"),
+        BadInput("sparse_attention/kv_on_another_device", "sparse_attention", "device",
+                 lambda b, d: _sparse_attention(b, d, kv=sparse("kv")(other_device(d))), ValueError, "kv: on "),
+        BadInput("sparse_attention/token_without_slots_gives_zero", "sparse_attention", "empty",
+                 lambda b, d: _sparse_attention(b, d, indices=all_empty_token(d)), expect=token_zero_is_zero),
+        BadInput("sparse_attention/nan_query_confined_to_its_head", "sparse_attention", "nonfinite",
+                 lambda b, d: _sparse_attention(b, d, q=nan_query(d)), expect=nan_in_head_only),
+        BadInput("project_q/weights_of_the_wrong_type", "project_q", "dtype",
+                 lambda b, d: _projection("project_q", b, d, w=_attention_weights(d).wq_a), TypeError,
+                 "w: expected AttentionWeights"),
+        BadInput("project_q/freqs_of_64_dims", "project_q", "shape",
+                 lambda b, d: _projection("project_q", b, d, freqs=torch.ones(64, device=d)), ValueError,
+                 "freqs: expected [32] float32"),
+        BadInput("project_kv/fnuz_weights_with_e4m3fn_numerics", "project_kv", "fp8_format",
+                 lambda b, d: _projection("project_kv", b, d, w=_attention_weights(d, "e4m3fnuz")), TypeError,
+                 "w.wkv: stored as torch.float8_e4m3fnuz"),
+        BadInput("project_kv/positions_float", "project_kv", "dtype",
+                 lambda b, d: _projection("project_kv", b, d, positions=torch.zeros(4, device=d)), ValueError,
+                 "positions: expected [4] int"),
+        BadInput("indexer_q/weights_of_the_wrong_type", "indexer_q", "dtype",
+                 lambda b, d: __import__("optimized").indexer_q(torch.zeros(4, 128, dtype=torch.bfloat16, device=d),
+                                                                _moe_x(d), _attention_weights(d), torch.arange(4),
+                                                                torch.ones(32), _layer_numerics(), backend=b),
+                 TypeError, "w: expected IndexerWeights"),
+        BadInput("indexer_scores/head_dim_not_a_power_of_two", "indexer_scores", "shape",
+                 lambda b, d: __import__("optimized").indexer_scores(
+                     torch.zeros(4, 4, 96, dtype=torch.bfloat16, device=d),
+                     torch.zeros(10, 96, dtype=torch.bfloat16, device=d), torch.ones(4, 4, device=d),
+                     _layer_numerics(), backend=b),
+                 ValueError, "q_idx: head dim must be a power of two >= 16"),
+        BadInput("indexer_scores/head_weights_bf16", "indexer_scores", "dtype",
+                 lambda b, d: __import__("optimized").indexer_scores(
+                     torch.zeros(4, 4, 128, dtype=torch.bfloat16, device=d),
+                     torch.zeros(10, 128, dtype=torch.bfloat16, device=d),
+                     torch.ones(4, 4, dtype=torch.bfloat16, device=d), _layer_numerics(), backend=b),
+                 TypeError, "head_weights: expected torch.float32"),
+        BadInput("indexer_topk/more_visible_than_entries", "indexer_topk", "range",
+                 lambda b, d: _indexer_topk(b, d, n_visible=torch.tensor([0, 3, 10, 11], device=d)),
+                 ValueError, "n_visible: expected values in 0..10"),
+        BadInput("indexer_topk/topk_zero", "indexer_topk", "value", lambda b, d: _indexer_topk(b, d, topk=0),
+                 ValueError, "topk: expected an int >= 1"),
+        BadInput("compress/positions_not_from_zero", "compress", "range",
+                 lambda b, d: _compress(b, d, positions=torch.arange(1, 10, device=d)),
+                 ValueError, "positions: the prefill form takes one sequence at positions 0 .. T-1"),
+        BadInput("compress/ratio_of_another_layer", "compress", "value", lambda b, d: _compress(b, d, ratio=128),
+                 ValueError, "weights: hold a ratio-4 compressor with head dim 512"),
+        BadInput("attention/positions_not_consecutive", "attention", "range",
+                 lambda b, d: _layer(b, d, positions=torch.tensor([0, 1, 2, 4, 5], device=d)),
+                 ValueError, "positions: expected non-negative positions increasing by 1 within each sequence"),
+        BadInput("attention/negative_position", "attention", "range",
+                 lambda b, d: _layer(b, d, positions=torch.arange(-1, 4, device=d)),
+                 ValueError, "positions: expected non-negative positions"),
+        BadInput("attention/cu_seqlens_past_the_tokens", "attention", "shape",
+                 lambda b, d: _layer(b, d, cu_seqlens=torch.tensor([0, 3, 6], dtype=torch.int32, device=d)),
+                 ValueError, "cu_seqlens: expected [B + 1] non-decreasing offsets from 0 to T = 5"),
+        BadInput("attention/cu_seqlens_int64", "attention", "dtype",
+                 lambda b, d: _layer(b, d, cu_seqlens=torch.tensor([0, 5], device=d)),
+                 TypeError, "cu_seqlens: expected int32"),
+        BadInput("attention/empty_batch", "attention", "empty",
+                 lambda b, d: _layer(b, d, x=torch.zeros(0, 256, dtype=torch.bfloat16, device=d),
+                                     positions=torch.zeros(0, dtype=torch.int64, device=d),
+                                     cu_seqlens=torch.tensor([0, 0], dtype=torch.int32, device=d)),
+                 expect=empty_output((0, 256))),
+    ]
+
+
 def _experts_ids(d: str) -> torch.Tensor:
     return torch.tensor([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 0, 1], [2, 4, 6, 8, 10, 12]],
                         dtype=torch.int32, device=d)
@@ -585,7 +787,7 @@ def _experts_ids(d: str) -> torch.Tensor:
 
 def _corpus() -> list[BadInput]:
     entries = [*_formats_entries(), *_backend_entries(), *_einsum_entries(), *_quantize_attn_output_entries(),
-               *_output_projection_entries(), *_fp8_linear_entries(), *_moe_entries()]
+               *_output_projection_entries(), *_fp8_linear_entries(), *_moe_entries(), *_attention_entries()]
     ids = [e.id for e in entries]
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:

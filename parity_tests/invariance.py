@@ -3,7 +3,8 @@
 * determinism: the same inputs twice give bitwise-equal outputs (spec §7.1 pitfall 15), unless the
   backend registered the op with `deterministic=False` (then the case is "not run: <its note>").
 * batch invariance: a probe's outputs do not change, bit for bit, when other tokens / sequences are put
-  in the same call (`Probe.join`): no split-K, tile shape or reduction order that depends on the batch.
+  in the same call (`Probe.join`): no split-K, tile shape or reduction order that depends on the batch
+  (unless the capability table's note declares the op "not batch-invariant", with the reason).
 * CUDA graphs: a decode-path probe makes no host synchronization (`torch.cuda.set_sync_debug_mode`),
   can be captured in a `torch.cuda.CUDAGraph`, and the replay gives the eager result bit for bit; a
   second replay after copying new inputs into the captured buffers gives their eager result. Needs a GPU.
@@ -32,12 +33,20 @@ def _mismatches(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[int, str]
     return sum(counts), f"{sum(counts)} of {total} elements differ over {len(a)} outputs"
 
 
-def _require_deterministic(probe: Probe, backend: str) -> None:
+# The capability table's note that waives the batch-invariance claim (the registry has one `deterministic` flag,
+# for reruns; owners say "rerun-deterministic, not batch-invariant (<why>)" in the note when tiles or split-K
+# follow the batch).
+NOT_BATCH_INVARIANT = "not batch-invariant"
+
+
+def _require_deterministic(probe: Probe, backend: str, batch: bool = False) -> None:
     from optimized.backends import registry
 
     impl = registry().get(probe.op, {}).get(backend)
     if impl is not None and not impl.deterministic:
         raise NotRun(f"{backend} registers {probe.op} as non-deterministic ({impl.note or 'no reason given'})")
+    if batch and impl is not None and NOT_BATCH_INVARIANT in impl.note:
+        raise NotRun(f"{backend} declares {probe.op} not batch-invariant in the capability table: {impl.note}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,7 +71,7 @@ def check_batch(probe: Probe, backend: str, device: str) -> list[Check]:
     if probe.join is None:
         raise NotRun(f"{probe.op} has no batch dimension")
     probe.require(backend)
-    _require_deterministic(probe, backend)
+    _require_deterministic(probe, backend, batch=True)
     alone = list(_first_run(probe, backend, device))
     joined, extract = probe.join(probe.make(device, 0), probe.make(device, 1))
     together = as_tensors(extract(probe.call(probe.ready(joined, backend), backend)))

@@ -408,7 +408,7 @@ for _op in ("route", "experts", "moe"):
 # ------------------------------------------------------------------------------------------------
 
 CHECKPOINT_TOKENS = {"cpu": 16, "cuda": 64}
-CHECKPOINT_OPS = ("moe",)
+CHECKPOINT_OPS = ("attention", "moe")
 
 
 def checkpoint_config(path: str | Path) -> Any:
@@ -459,6 +459,29 @@ def _checkpoint_moe(path: str, layer: int, backend: str, device: str) -> list[An
     return [sets, *output_checks(cand, ref, ref_exact, rows=~agree.near_tie)]
 
 
+def _checkpoint_attention(path: str, layer: int, backend: str, device: str) -> list[Any]:
+    """The attention layer (one prompt from position 0) on the checkpoint's weights vs the reference layer, with
+    the numerics every backend implements (FP8 output einsum, fp32 indexer scores) and the layer bound."""
+    import optimized
+    from parity_tests.cases import Check
+    from parity_tests.metrics import calc_diff, max_abs_error, worst_position
+    from parity_tests.tolerances import ATTENTION_LAYER_SIMULATED
+    from reference.attention import Attention
+    from reference.linear import rms_norm
+
+    cfg = checkpoint_config(path)
+    weights = _checkpoint_layer(path, layer, device)
+    numerics = _attention_numerics("e4m3fn")
+    n = CHECKPOINT_TOKENS[torch.device(device).type]
+    x = rms_norm(_randn((n, cfg.dim), _gen(73), device), weights.attn_norm, cfg.norm_eps)
+    positions = torch.arange(n, device=device)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    expected = Attention(cfg, layer, weights.attention, numerics)(x, positions, cu).float()
+    out = optimized.Attention(cfg, layer, weights.attention, numerics, backend=backend)(x, positions, cu).float()
+    return [Check("layer vs reference (prefill)", ATTENTION_LAYER_SIMULATED, calc_diff(out, expected),
+                  f"max_abs={max_abs_error(out, expected):.3g} at {worst_position(out, expected)}")]
+
+
 def checkpoint_tasks(path: str | Path, layer: int, device: str, ops: list[str] | None,
                      backends: list[str] | None) -> list[Any]:
     """One task per (layer op, backend) on the weights of layer `layer` of the checkpoint at `path`."""
@@ -468,7 +491,7 @@ def checkpoint_tasks(path: str | Path, layer: int, device: str, ops: list[str] |
     cfg = checkpoint_config(path)
     if not 0 <= layer <= cfg.n_layers:
         raise ValueError(f"--layer: expected 0..{cfg.n_layers} ({cfg.n_layers} is the MTP layer), got {layer}")
-    runners = {"moe": _checkpoint_moe}
+    runners = {"attention": _checkpoint_attention, "moe": _checkpoint_moe}
     shape = f"layer={layer},{cfg.layer_kind(layer)},T={CHECKPOINT_TOKENS[torch.device(device).type]}"
     return [Task("checkpoint", op, cfg.name, shape, "e4m3fn", 71, backend,
                  functools.partial(runners[op], str(path), layer, backend, device), registry_op=op)

@@ -331,7 +331,7 @@ def to_junit(results: list[Result], header: dict[str, Any]) -> ET.ElementTree:
             elif r.status == "error":
                 first = r.reason.splitlines()[0] if r.reason else "error"
                 ET.SubElement(tc, "error", message=first, type="exception").text = r.reason
-            if r.checks:
+            if r.checks and r.status == "pass":  # a failure element already holds the check lines
                 ET.SubElement(tc, "system-out").text = _check_lines(r)
     ET.indent(root)
     return ET.ElementTree(root)

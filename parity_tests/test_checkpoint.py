@@ -281,5 +281,5 @@ def test_cli_runs_the_layer_cases_on_checkpoint_weights(tmp_path: Path) -> None:
                      "--no-progress"])
     results = json.loads((out / "report.json").read_text())["results"]
     assert [(r["suite"], r["op"], r["backend"], r["status"]) for r in results] == [
-        ("checkpoint", "moe", "triton", "pass")], results
+        ("checkpoint", "attention", "triton", "pass"), ("checkpoint", "moe", "triton", "pass")], results
     assert results[0]["shape"] == f"layer={layer},csa,T=16" and code == 0
