@@ -1,7 +1,8 @@
 """Public ops of the output projection: `fp8_einsum`, `quantize_attn_output`, `output_projection`.
 
-Same signatures as `reference.einsum` plus `backend=`. Inputs are validated here, before dispatch (and
-each backend checks what it alone needs before it launches anything). Backends:
+Same signatures as `reference.einsum` plus `backend=`. Inputs are validated here, once, before dispatch: the
+public op calls the backend's `<name>_checked` entry (`optimized.linear.resolve`, cached per backend), which
+checks only what that backend alone needs before it launches anything. Backends:
   * reference — `reference.einsum`: every expression and recipe.
   * triton    — `'bhr,hdr->bhd'`, recipes (1, 128, 128) and (1, 1, 128), e4m3fn and e4m3fnuz.
   * deepgemm  — `deep_gemm.fp8_einsum` (`'bhr,hdr->bhd'`, (1, 128, 128), e4m3fn); the quantization is
@@ -14,8 +15,8 @@ from functools import partial
 
 import torch
 
-from optimized.backends import dispatch, register
-from optimized.linear import implementation
+from optimized.backends import register
+from optimized.linear import resolve
 from reference.einsum import (
     check_attn_output_args,
     check_fp8_einsum_args,
@@ -53,7 +54,7 @@ def fp8_einsum(
 ) -> torch.Tensor:
     """Block-scaled FP8 einsum (see `reference.einsum.fp8_einsum` for the expressions and scale layouts)."""
     check_fp8_einsum_args(expr, a, b, out, recipe)
-    return implementation("fp8_einsum", backend).load()(expr, a, b, out, recipe=recipe)
+    return resolve("fp8_einsum", backend)[1](expr, a, b, out, recipe=recipe)
 
 
 def quantize_attn_output(
@@ -71,7 +72,7 @@ def quantize_attn_output(
     TMA-aligned layout for deepgemm); the logical shape and values are the same.
     """
     check_attn_output_args(o, positions, freqs, n_groups, fmt)
-    return implementation("quantize_attn_output", backend).load()(o, positions, freqs, n_groups=n_groups, fmt=fmt)
+    return resolve("quantize_attn_output", backend)[1](o, positions, freqs, n_groups=n_groups, fmt=fmt)
 
 
 def _check_optimized_numerics(numerics: Numerics, backend: str) -> None:
@@ -94,21 +95,38 @@ def _compose_output_projection(
     wo_b: Fp8Weight,
     numerics: Numerics,
 ) -> torch.Tensor:
-    """`quantize_attn_output` -> `fp8_einsum('bhr,hdr->bhd')` -> `fp8_linear(wo_b)`, each on `backend`.
-
-    The reference's "fp8" path step for step; on deepgemm the activation scales come out of the
-    quantization in DeepGEMM's layout, so neither GEMM re-lays them out.
-    """
-    groups, _ = check_output_projection_args(o, positions, freqs, wo_a, wo_b, numerics)
+    """`quantize_attn_output` -> `fp8_einsum('bhr,hdr->bhd')` -> `fp8_linear(wo_b)`, each on `backend`."""
+    check_output_projection_args(o, positions, freqs, wo_a, wo_b, numerics)
     _check_optimized_numerics(numerics, backend)
-    o_fp8, o_scale = dispatch("quantize_attn_output", backend, o, positions, freqs, n_groups=groups,
-                              fmt=numerics.fp8_format)
-    z = dispatch("fp8_einsum", backend, "bhr,hdr->bhd", (o_fp8, o_scale), grouped_wo_a(wo_a, groups))
-    return dispatch("fp8_linear", backend, z.flatten(1), wo_b, numerics)
+    return _compose_output_projection_checked(backend, o, positions, freqs, wo_a, wo_b, numerics)
+
+
+def _compose_output_projection_checked(
+    backend: str,
+    o: torch.Tensor,
+    positions: torch.Tensor,
+    freqs: torch.Tensor,
+    wo_a: Fp8Weight,
+    wo_b: Fp8Weight,
+    numerics: Numerics,
+) -> torch.Tensor:
+    """The composition for arguments that already passed `check_output_projection_args` and the numerics check.
+
+    The reference's "fp8" path step for step, through each step's `_checked` entry (the arguments are validated once, by
+    the caller); on deepgemm the activation scales come out of the quantization in DeepGEMM's layout, so neither
+    GEMM re-lays them out.
+    """
+    groups = o.shape[1] * o.shape[2] // wo_a.data.shape[1]
+    o_fp8, o_scale = resolve("quantize_attn_output", backend)[1](o, positions, freqs, n_groups=groups,
+                                                                fmt=numerics.fp8_format)
+    z = resolve("fp8_einsum", backend)[1]("bhr,hdr->bhd", (o_fp8, o_scale), grouped_wo_a(wo_a, groups))
+    return resolve("fp8_linear", backend)[1](z.flatten(1), wo_b, numerics)
 
 
 output_projection_triton = partial(_compose_output_projection, "triton")
 output_projection_deepgemm = partial(_compose_output_projection, "deepgemm")
+output_projection_triton_checked = partial(_compose_output_projection_checked, "triton")
+output_projection_deepgemm_checked = partial(_compose_output_projection_checked, "deepgemm")
 
 
 def output_projection(
@@ -126,7 +144,7 @@ def output_projection(
     The optimized backends implement the FP8 path (`numerics.wo_a == "fp8"`, vLLM / DeepGEMM numerics).
     """
     check_output_projection_args(o, positions, freqs, wo_a, wo_b, numerics)
-    impl = implementation("output_projection", backend)
-    if impl.backend != "reference":
-        _check_optimized_numerics(numerics, impl.backend)
-    return impl.load()(o, positions, freqs, wo_a, wo_b, numerics)
+    name, run = resolve("output_projection", backend)
+    if name != "reference":
+        _check_optimized_numerics(numerics, name)
+    return run(o, positions, freqs, wo_a, wo_b, numerics)

@@ -7,6 +7,11 @@ quant writing DeepGEMM's scale layout + `deep_gemm.fp8_gemm_nt`; e4m3fn, act_blo
 
 from __future__ import annotations
 
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from optimized.backends import Implementation, register, select
@@ -27,6 +32,28 @@ def implementation(op: str, backend: str | None) -> Implementation:
         return select(op, backend)
     except RuntimeError as exc:
         raise ValueError(f"backend: {exc}") from exc
+
+
+# (op, backend, DSV4_BACKEND, TRITON_INTERPRET) -> (backend name, function); see `resolve`.
+_RESOLVED: dict[tuple[str, str | None, str | None, str | None], tuple[str, Callable[..., Any]]] = {}
+
+
+def resolve(op: str, backend: str | None) -> tuple[str, Callable[..., Any]]:
+    """The backend that runs `op` and the function a public op calls after validating its arguments.
+
+    That function is the registered one's `<name>_checked` sibling where the backend module has one (it skips
+    the generic argument checks the public op has just run, keeping only the backend's own), else the
+    registered function. The lookup is cached per (op, backend, `DSV4_BACKEND`, `TRITON_INTERPRET`): it depends
+    on nothing else (hardware detection is cached too), and errors are never cached.
+    """
+    key = (op, backend, os.environ.get("DSV4_BACKEND"), os.environ.get("TRITON_INTERPRET"))
+    hit = _RESOLVED.get(key)
+    if hit is None:
+        impl = implementation(op, backend)
+        module_name, _, attr = impl.target.partition(":")
+        module = importlib.import_module(module_name)
+        hit = _RESOLVED[key] = (impl.backend, getattr(module, f"{attr}_checked", None) or getattr(module, attr))
+    return hit
 
 
 def check_fp8_linear_args(x: object, weight: object, numerics: object) -> None:
@@ -69,4 +96,4 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, numerics: Numerics, *, backen
         [..., N] bf16.
     """
     check_fp8_linear_args(x, weight, numerics)
-    return implementation("fp8_linear", backend).load()(x, weight, numerics)
+    return resolve("fp8_linear", backend)[1](x, weight, numerics)

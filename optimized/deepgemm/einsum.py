@@ -12,15 +12,25 @@ them in that layout directly (Triton kernel: DeepGEMM has no quantization kernel
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 
 from optimized.deepgemm import deep_gemm
 from optimized.triton import quant
-from reference.einsum import check_fp8_einsum_args
+from reference.einsum import check_attn_output_args, check_fp8_einsum_args
 from reference.formats import FP8Format, fp8_format
 
 SUPPORTED_EXPR = "bhr,hdr->bhd"
 SUPPORTED_RECIPE = (1, 128, 128)
+
+
+@functools.cache
+def deep_gemm_module() -> ModuleType:
+    """`optimized.deepgemm.deep_gemm()` once per process (it checks the backend's availability on every call;
+    a failure is not cached and raises again)."""
+    return deep_gemm()
 
 
 def check_supported(expr: str, recipe: tuple[int, int, int], a: tuple[torch.Tensor, torch.Tensor],
@@ -55,12 +65,25 @@ def fp8_einsum(
     recipe: tuple[int, int, int] = (1, 128, 128),
 ) -> torch.Tensor:
     """`deep_gemm.fp8_einsum` with the reference's contract (scale layouts in `reference.einsum`)."""
-    dims = check_fp8_einsum_args(expr, a, b, out, recipe)
+    check_fp8_einsum_args(expr, a, b, out, recipe)
+    return fp8_einsum_checked(expr, a, b, out, recipe=recipe)
+
+
+def fp8_einsum_checked(
+    expr: str,
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor | None = None,
+    *,
+    recipe: tuple[int, int, int] = (1, 128, 128),
+) -> torch.Tensor:
+    """`fp8_einsum` for arguments that already passed `check_fp8_einsum_args` (the public op's validation)."""
     check_supported(expr, recipe, a, b, out)
-    dg = deep_gemm()
+    dg = deep_gemm_module()
+    n = a[0].shape[0]
     if out is None:
-        out = torch.empty(dims.out_shape, dtype=torch.bfloat16, device=a[0].device)
-    if dims.b > 0:
+        out = torch.empty((n, a[0].shape[1], b[0].shape[1]), dtype=torch.bfloat16, device=a[0].device)
+    if n > 0:
         dg.fp8_einsum(expr, (a[0], a[1]), (b[0], b[1]), out, recipe=recipe)
     return out
 
@@ -74,6 +97,16 @@ def quantize_attn_output(
     Returns `o_fp8` [T, G, K] (a view of [G, T, K] storage) and `o_scale` [T, G, K/128] (a view of
     [G, K/128, align(T, 4)] storage, padding rows 0) — both consumed by `deep_gemm.fp8_einsum` without a copy.
     """
+    check_attn_output_args(o, positions, freqs, n_groups, fmt)
+    return quantize_attn_output_checked(o, positions, freqs, n_groups=n_groups, fmt=fmt)
+
+
+def quantize_attn_output_checked(
+    o: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, *, n_groups: int,
+    fmt: str | FP8Format = "e4m3fn",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_attn_output` for arguments that already passed `check_attn_output_args`."""
     if fp8_format(fmt).name != "e4m3fn":
         raise ValueError(f"fmt: DeepGEMM consumes float8_e4m3fn only, got {fmt!r}")
-    return quant.quantize_attn_output(o, positions, freqs, n_groups=n_groups, fmt=fmt, scale_layout="deepgemm")
+    return quant.quantize_attn_output_checked(o, positions, freqs, n_groups=n_groups, fmt=fmt,
+                                              scale_layout="deepgemm")

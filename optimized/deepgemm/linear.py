@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from optimized.deepgemm import deep_gemm
+from optimized.deepgemm.einsum import deep_gemm_module
 from optimized.linear import check_fp8_linear_args
-from optimized.triton.quant import quantize_per_token
+from optimized.triton.quant import quantize_per_token_checked
 from reference.numerics import Numerics
 from reference.weights import Fp8Weight
 
@@ -39,13 +39,18 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, numerics: Numerics) -> torch.
         [..., N] bf16.
     """
     check_fp8_linear_args(x, weight, numerics)
+    return fp8_linear_checked(x, weight, numerics)
+
+
+def fp8_linear_checked(x: torch.Tensor, weight: Fp8Weight, numerics: Numerics) -> torch.Tensor:
+    """`fp8_linear` for arguments that already passed `check_fp8_linear_args` (the public op's validation)."""
     check_supported(weight, numerics)
-    dg = deep_gemm()
+    dg = deep_gemm_module()
     n, k = weight.data.shape
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    q, s = quantize_per_token(x2, 128, numerics.fp8_format, scale_layout="deepgemm")
+    q, s = quantize_per_token_checked(x2, 128, numerics.fp8_format, scale_layout="deepgemm")
     out = torch.empty((x2.shape[0], n), dtype=torch.bfloat16, device=x.device)
     if x2.shape[0] > 0:
         dg.fp8_gemm_nt((q, s), (weight.data, weight.scale), out)

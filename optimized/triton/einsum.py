@@ -290,10 +290,24 @@ def fp8_einsum(
     Args:
         config: override the tile / split-K choice (benchmarks and tests); `choose_config` when None.
     """
-    dims = check_fp8_einsum_args(expr, a, b, out, recipe)
+    check_fp8_einsum_args(expr, a, b, out, recipe)
+    return fp8_einsum_checked(expr, a, b, out, recipe=recipe, config=config)
+
+
+def fp8_einsum_checked(
+    expr: str,
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor | None = None,
+    *,
+    recipe: tuple[int, int, int] = (1, 128, 128),
+    config: EinsumConfig | None = None,
+) -> torch.Tensor:
+    """`fp8_einsum` for arguments that already passed `check_fp8_einsum_args` (the public op's validation);
+    runs only the Triton-specific checks before it launches."""
     check_supported(expr, recipe, a, b)
     if out is None:
-        out = torch.empty(dims.out_shape, dtype=torch.bfloat16, device=a[0].device)
+        out = torch.empty((a[0].shape[0], a[0].shape[1], b[0].shape[1]), dtype=torch.bfloat16, device=a[0].device)
     return block_scaled_matmul(a[0], a[1], b[0], b[1], out, a_block_k=SCALE_BLOCK, b_gran_n=recipe[1],
                                config=config)
 

@@ -222,7 +222,7 @@ def quantize_per_token(
         raise ValueError(f"block: expected 32, 64 or 128, got {block!r}")
     if x.dim() != 2:
         raise ValueError(f"x: expected [M, K], got shape {tuple(x.shape)}")
-    m, k = x.shape
+    k = x.shape[1]
     if k % block:
         raise ValueError(f"x: K = {k} is not a multiple of the block size {block}")
     if x.stride(1) != 1 and k > 1:
@@ -230,6 +230,20 @@ def quantize_per_token(
     if not eps > 0:
         raise ValueError(f"eps: expected a positive amax floor, got {eps!r}")
     check_fp8_support(f, x.device, "fmt")
+    return quantize_per_token_checked(x, block, f, scale_layout, eps)
+
+
+def quantize_per_token_checked(
+    x: torch.Tensor,
+    block: int,
+    fmt: str | FP8Format,
+    scale_layout: str = "row_major",
+    eps: float = ACT_EPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_token` for callers that have validated its arguments (the FP8 linears: a 2-d bf16 x with a
+    unit last stride, K a multiple of 128, a Numerics act_block, a format the device supports)."""
+    f = fp8_format(fmt)
+    m, k = x.shape
     q = torch.empty((m, k), dtype=f.dtype, device=x.device)
     nb = k // block
     if scale_layout == "deepgemm":
