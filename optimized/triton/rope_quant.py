@@ -35,12 +35,7 @@ from optimized.triton.aot import AotSpec
 from reference.formats import fp8_format
 from reference.hadamard import sylvester_hadamard
 
-ROPE_DIM = 64
-FP8_BLOCK = 64  # QD_fp8 block of the KV NoPE dims
-FP4_BLOCK = 32  # QD_fp4 block of the indexer q and k
-PACKED_ROW_BYTES = 584
-PACKED_ROPE_OFFSET = 448
-PACKED_SCALE_OFFSET = 576
+PACKED_ROW_BYTES = 584  # reference.cache layout: 448 FP8 | 64 bf16 RoPE (bytes 448..575) | 7 UE8M0 | 1 pad
 
 # NORM modes
 NORM_NONE, NORM_WEIGHTED, NORM_HEAD_BF16 = 0, 1, 2

@@ -35,7 +35,6 @@ from optimized.triton.aot import AotSpec
 
 HEAD_DIM = 512
 NOPE_DIM = 448
-ROPE_DIM = 64
 KV_SCALE_BLOCK = 64  # NoPE dims per UE8M0 scale byte
 PACKED_ROW_BYTES = 584  # 448 fp8 + 128 (64 bf16) + 7 scales + 1 pad
 PACKED_ROPE_OFFSET = 448  # bytes
