@@ -97,7 +97,10 @@ def markdown(*, env: dict[str, Any], roofline: Roofline, families: Sequence[Fami
                   f"**{roofline.copy_bytes / 1e12:.2f} TB/s**.", ""]
     lines += [
         "How to read the tables: *time* is the median of up to 20 warm runs (or ~50 ms of runs), each timed with CUDA "
-        "events after a 256 MB write that flushes the L2; the first call (JIT compilation) is not in it. *TFLOP/s* "
+        "events after a 256 MB write that flushes the L2; the first call (JIT compilation) is not in it. Calls that "
+        "can be captured in a CUDA graph are timed as graph replays (what decode under CUDA graphs pays, without "
+        "Python and launch overhead; the eager time with host overhead is in bench.json as `eager_time_s`); "
+        "a time marked *e* is eager (the call cannot be captured: the reference, host-synchronizing paths). *TFLOP/s* "
         "and *GB/s* come from work counted from the shapes (useful FLOP; every input read once, every output written "
         "once), not from what a kernel happens to move. *roofline* = roofline floor / time, the floor being "
         "max(FLOP / matmul ceiling, bytes / copy bandwidth) with FP8 ops held against the FP8 ceiling and the rest "
@@ -160,7 +163,7 @@ def _op_table(op: str, description: str, results: list[Result], smoke: bool) -> 
                 continue
             if id(r) in fastest:
                 name = f"**{name}**"
-            time_us = _fmt((r.time_s or 0) * 1e6, ".1f") + (" (cold)" if r.cold else "")
+            time_us = _fmt((r.time_s or 0) * 1e6, ".1f") + (" (cold)" if r.cold else "") + ("" if r.graph else " e")
             vs_base = _fmt(r.vs_baseline, ".2f", "x")
             lines.append(f"| {r.config} | {r.tokens} | {r.shape} | {name} | {time_us} | {_fmt(r.tflops, '.0f')} | "
                          f"{_fmt(r.gbps, '.0f')} | {_fmt(r.roofline, '.0%')} | {_fmt(r.vs_reference, '.1f', 'x')} | "

@@ -174,6 +174,8 @@ class Result:
     runs: int = 0
     first_call_s: float | None = None
     cold: bool = False
+    graph: bool = False
+    eager_time_s: float | None = None
     flops: float = 0.0
     bytes: float = 0.0
     weight_bytes: float = 0.0
@@ -371,7 +373,7 @@ class Runner:
             self._free()
             return
         try:
-            timing = self.timer.time(fn, slow_s=REF_COLD_S if is_ref else None)
+            timing = self.timer.time(fn, slow_s=REF_COLD_S if is_ref else None, graph=not is_ref)
         except torch.cuda.OutOfMemoryError as exc:
             res.status = "error" if cand.kind == BACKEND and not is_ref else "n/a"
             res.reason = f"out of GPU memory ({_describe(exc)[:120]})"
@@ -385,6 +387,7 @@ class Runner:
             return
         t = timing.median_s
         res.time_s, res.runs, res.first_call_s, res.cold = t, timing.runs, timing.first_call_s, timing.cold
+        res.graph, res.eager_time_s = timing.graph, timing.eager_s
         res.tflops = work.flops / t / 1e12 if work.flops else None
         res.gbps = work.bytes / t / 1e9
         res.weight_gbps = work.weight_bytes / t / 1e9 if work.weight_bytes else None
@@ -413,4 +416,6 @@ def _compare(results: list[Result]) -> None:
 def _short(res: Result) -> str:
     if res.status != "ok" or res.time_s is None:
         return f"{res.status}: {res.reason}"
-    return f"{res.time_s * 1e6:10.1f} us  roofline {res.roofline or 0:.0%}" + ("  (cold call)" if res.cold else "")
+    eager = f"  (eager {res.eager_time_s * 1e6:.1f} us)" if res.eager_time_s is not None else "  (eager)"
+    return (f"{res.time_s * 1e6:10.1f} us  roofline {res.roofline or 0:.0%}" + ("  (cold call)" if res.cold else "")
+            + eager)

@@ -128,7 +128,7 @@ class ScriptedTimer(Timer):
         self.seconds = seconds
         self.calls: list[str] = []
 
-    def time(self, fn, *, max_runs=None, slow_s=None) -> Timing:
+    def time(self, fn, *, max_runs=None, slow_s=None, graph=False) -> Timing:
         name = fn()
         self.calls.append(name)
         t = self.seconds[name]
@@ -330,7 +330,7 @@ def test_markdown_shows_figures_bold_fastest_and_lists_na_reasons() -> None:
            "cuda": "13", "torch": "2.11", "triton": "3.6", "deep_gemm": "2.8.2", "python": "3.12"}
     md = report.markdown(env=env, roofline=ROOF, families=[fam], results=rows, verdicts=evaluate(rows, ROOF, ()),
                          plots={}, plot_note="", smoke=False)
-    assert "| FLASH | 4096 |  | **deepgemm** | 1000.0 | 1800 |" in md
+    assert "| FLASH | 4096 |  | **deepgemm** | 1000.0 e | 1800 |" in md  # e: timed eagerly (no graph)
     assert "- n/a: torch _scaled_mm — unsupported here (FLASH T=4096)" in md
     assert "- skipped: reference — reference took 9 s (FLASH T=4096)" in md
     assert "2000 TFLOP/s" in md  # the measured FP8 ceiling is printed

@@ -5,6 +5,12 @@ On a GPU every run is bracketed by CUDA events recorded on the current stream, r
 survives); the flush itself lies outside the events. The first call is timed separately by the wall
 clock (it includes Triton / DeepGEMM JIT compilation and is reported as such, never as the figure).
 
+Where a call can be captured in a CUDA graph (no host synchronization, no CPU-side work that must
+rerun), the figure is the median of graph replays, bracketed the same way: that is what a serving engine
+running decode under CUDA graphs pays, without Python and launch overhead. The eager median (host
+overhead included whenever it exceeds the GPU time) is kept beside it. Calls that cannot be captured
+(the eager reference, host-synchronizing paths) are timed eagerly and marked so.
+
 On the CPU the same procedure runs with `time.perf_counter` and no flush. It exists only to prove the
 benchmark code paths in CI; no CPU figure is ever reported as a measurement. There `single_call=True` makes
 every candidate run exactly once (the Triton interpreter takes about a second per kernel launch).
@@ -39,6 +45,8 @@ class Timing:
         first_call_s: wall time of the first (warm-up) call, JIT compilation included.
         min_s, max_s: fastest and slowest timed run.
         cold: the figure is the first call itself (it took longer than `slow_s`; see `Timer.time`).
+        graph: the figure is the median of CUDA-graph replays of the call (else of eager calls).
+        eager_s: the eager median when `graph` (host overhead included), else None.
     """
 
     median_s: float
@@ -47,6 +55,8 @@ class Timing:
     min_s: float
     max_s: float
     cold: bool = False
+    graph: bool = False
+    eager_s: float | None = None
 
 
 class Timer:
@@ -69,12 +79,15 @@ class Timer:
         if self._flush is not None:
             self._flush.zero_()
 
-    def time(self, fn: Callable[[], object], *, max_runs: int | None = None, slow_s: float | None = None) -> Timing:
+    def time(self, fn: Callable[[], object], *, max_runs: int | None = None, slow_s: float | None = None,
+             graph: bool = False) -> Timing:
         """Call `fn` once to warm up, then time it `n` times and return the median.
 
         `n` = `max_runs`, or fewer so that the timed runs take about `budget_s` (at least one run).
         When the warm-up call alone takes longer than `slow_s` (the eager reference at large shapes), that
         call is the figure (`cold=True`): an upper bound, since it includes first-call overheads.
+        With `graph` (CUDA only), the call is also captured in a CUDA graph and the replays are the figure;
+        if the capture fails (a host sync inside), the eager figure stands.
         """
         max_runs = self.max_runs if max_runs is None else max_runs
         first = self._wall(fn)
@@ -85,7 +98,33 @@ class Timer:
         estimate = self._timed_runs(fn, 1)[0]
         n = max(1, min(max_runs, math.floor(self.budget_s / max(estimate, 1e-9))))
         samples = [estimate, *self._timed_runs(fn, n - 1)] if n > 1 else [estimate]
-        return Timing(statistics.median(samples), len(samples), first, min(samples), max(samples))
+        eager = Timing(statistics.median(samples), len(samples), first, min(samples), max(samples))
+        if not (graph and self.device == "cuda"):
+            return eager
+        replay = self._capture(fn)
+        if replay is None:
+            return eager
+        replays = self._timed_runs(replay, n)
+        return Timing(statistics.median(replays), n, first, min(replays), max(replays), graph=True,
+                      eager_s=eager.median_s)
+
+    @staticmethod
+    def _capture(fn: Callable[[], object]) -> Callable[[], object] | None:
+        """`fn` captured in a CUDA graph (on a side stream, after a warm call there), or None if it cannot be."""
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(stream):
+                fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+        except Exception:  # a host sync or an uncapturable op: time it eagerly
+            torch.cuda.synchronize()
+            return None
+        torch.cuda.synchronize()
+        return graph.replay
 
     def _wall(self, fn: Callable[[], object]) -> float:
         self._sync()
