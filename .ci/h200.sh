@@ -18,10 +18,13 @@ for step in $STEPS; do
   case $step in
     caps)   { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -m optimized; } \
               2>&1 | tee "$OUT/caps.txt" ;;
-    pytest) python3 -m pytest -q -x -m "not slow" -p no:cacheprovider ${PYTEST_ARGS:-parity_tests} 2>&1 \
-              | tee "$OUT/pytest.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
-    parity) python3 -m parity_tests --config FLASH,PRO --out "$OUT" --no-progress "$@" 2>&1 | tee "$OUT/parity.log"
+    pytest) timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q --maxfail=10 -m "${PYTEST_MARK:-not slow}" \
+              -p no:cacheprovider ${PYTEST_ARGS:-parity_tests} 2>&1 | tee "$OUT/pytest.log"
             rc=$((rc | ${PIPESTATUS[0]})) ;;
+    parity) timeout "${PARITY_TIMEOUT:-400}" python3 -m parity_tests --config "${PARITY_CONFIG:-FLASH,PRO}" --out "$OUT" \
+              --no-progress "$@" 2>&1 | tee "$OUT/parity.log"
+            rc=$((rc | ${PIPESTATUS[0]})) ;;
+    sweep)  timeout 150 python3 -m benchmarks.sweep_einsum --out "$OUT" 2>&1 | tail -60 | tee "$OUT/sweep.log" ;;
     bench)  python3 -m benchmarks --config FLASH,PRO --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
             rc=$((rc | ${PIPESTATUS[0]})) ;;
   esac
