@@ -61,7 +61,10 @@ _GPU = [(case, backend) for config in GPU_CONFIGS for case in all_cases(config, 
         for backend in case.backends]
 
 
+# slow: the fp64 reference at FLASH / PRO shapes takes minutes in all; `python -m parity_tests --config FLASH,PRO`
+# runs the same cases (the H200 script's parity step), this is the pytest entry to them.
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FLASH / PRO shapes)")
 @pytest.mark.parametrize(("case", "backend"), _GPU, ids=[f"{case.id}-{backend}" for case, backend in _GPU])
 def test_backends_match_the_reference_at_flash_and_pro_shapes(case: Case, backend: str) -> None:
