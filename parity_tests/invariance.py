@@ -56,8 +56,14 @@ def _first_run(probe: Probe, backend: str, device: str) -> tuple[torch.Tensor, .
     return tuple(t.clone() for t in probe.run(backend, device))
 
 
+def _require_shape_fits(probe: Probe, device: str) -> None:
+    if probe.config != "TINY" and torch.device(device).type == "cpu":
+        raise NotRun(f"{probe.config}-shaped probes run on a GPU (device cuda), not {device}")
+
+
 def check_rerun(probe: Probe, backend: str, device: str) -> list[Check]:
     """The same inputs twice (built afresh each time, so stateful calls start equal): bitwise equal."""
+    _require_shape_fits(probe, device)
     probe.require(backend)
     _require_deterministic(probe, backend)
     first = list(_first_run(probe, backend, device))
@@ -70,6 +76,7 @@ def check_batch(probe: Probe, backend: str, device: str) -> list[Check]:
     """The probe alone vs the probe joined with other tokens / sequences: its outputs bitwise equal."""
     if probe.join is None:
         raise NotRun(f"{probe.op} has no batch dimension")
+    _require_shape_fits(probe, device)
     probe.require(backend)
     _require_deterministic(probe, backend, batch=True)
     alone = list(_first_run(probe, backend, device))
@@ -120,6 +127,8 @@ def check_cuda_graph(probe: Probe, backend: str, device: str) -> list[Check]:
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     checks = [Check("no_host_sync", BITWISE, syncs, sync_detail)]
+    if syncs:
+        return checks  # a call that reads the device back cannot be captured: capture not attempted
 
     static = probe.inputs(backend, device, 0)
     side = torch.cuda.Stream()
@@ -129,8 +138,11 @@ def check_cuda_graph(probe: Probe, backend: str, device: str) -> list[Check]:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = as_tensors(probe.call(static, backend))
+    try:
+        with torch.cuda.graph(graph):
+            captured = as_tensors(probe.call(static, backend))
+    except RuntimeError as exc:
+        return [*checks, Check("graph_capture", BITWISE, 1, f"capture failed: {exc}")]
     graph.replay()
     torch.cuda.synchronize()
     n, detail = _mismatches(eager, captured)
