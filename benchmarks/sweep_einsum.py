@@ -93,9 +93,9 @@ def einsum_candidates(b: int) -> list[Any]:
         tiles = [C(64, 32, 1, 4, 4), C(64, 64, 1, 4, 4), C(64, 128, 1, 4, 4), C(128, 32, 1, 4, 4),
                  C(128, 64, 1, 4, 4), C(128, 64, 1, 8, 3), C(128, 128, 1, 8, 3)]
         return [dataclasses.replace(t, split_k=s) for t in tiles for s in (1, 2, 4)]
-    return [C(128, 128, 1, 8, 3), C(128, 128, 1, 8, 4), C(128, 128, 1, 8, 4, 64), C(128, 128, 1, 8, 6, 64),
-            C(128, 128, 1, 4, 3), C(128, 256, 1, 8, 3), C(256, 128, 1, 8, 3), C(128, 64, 1, 4, 4),
-            C(64, 128, 1, 4, 4)]
+    # compute-bound: 128 x 128 with 8 warps (larger tiles or 4 warps spill: two fp32 accumulators)
+    return [C(128, 128, 1, 8, 3), C(128, 128, 1, 8, 4), C(128, 128, 1, 8, 5), C(128, 128, 1, 8, 4, 64),
+            C(128, 128, 1, 8, 6, 64), C(128, 64, 1, 8, 4), C(128, 64, 1, 4, 4), C(64, 128, 1, 4, 4)]
 
 
 def quant_candidates() -> list[Any]:
