@@ -39,8 +39,8 @@ def round_to_fp8_grid(x, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HA
     (e4m3fn, as torch's cast does) and is +0 where it has none (e4m3fnuz: 0x80 is NaN).
     """
     # NaN must survive the clamp (min/max drop NaN on GPUs by default): the reference keeps it
-    nan = tl.PropagateNan.ALL
-    x = tl.minimum(tl.maximum(x, -FP8_MAX, propagate_nan=nan), FP8_MAX, propagate_nan=nan)
+    x = tl.maximum(x, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    x = tl.minimum(x, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, MIN_NORMAL_EXP)
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
