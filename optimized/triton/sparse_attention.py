@@ -134,6 +134,9 @@ def _sparse_attention_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    # a NaN logit (NaN in q or in a selected kv row) makes the head's output NaN, as in the reference;
+    # tracked apart because max/where can drop NaN on GPUs
+    nan_i = tl.zeros([BLOCK_H], tl.int32)
 
     k_begin = s * rows_per_split
     k_end = tl.minimum(k_begin + rows_per_split, K)
@@ -149,6 +152,7 @@ def _sparse_attention_kernel(
         # S = scale * Q K^T in fp32, empty slots at -inf
         z = tl.dot(q, tl.trans(kv)) * scale
         z = tl.where(valid[None, :], z, float("-inf"))
+        nan_i = tl.maximum(nan_i, tl.max((z != z).to(tl.int32), axis=1))
 
         # online softmax: new running max; a row with nothing valid yet keeps exp base 0 (no inf - inf)
         m_new = tl.maximum(m_i, tl.max(z, axis=1))
@@ -165,7 +169,7 @@ def _sparse_attention_kernel(
         # partial results of this split: unnormalised accumulator and (max, sum)
         part = (s.to(tl.int64) * T + t64) * H + heads
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + cols[None, :], acc, mask=head_ok[:, None])
-        tl.store(part_ml_ptr + part * 2, m_i, mask=head_ok)
+        tl.store(part_ml_ptr + part * 2, tl.where(nan_i > 0, float("nan"), m_i), mask=head_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=head_ok)
     else:
         # the sink joins the denominator only: o = acc / (l + e^(sink - M)); no valid slot -> 0
@@ -173,6 +177,7 @@ def _sparse_attention_kernel(
         any_valid = m_i != float("-inf")
         denom = l_i + tl.exp(sink - tl.where(any_valid, m_i, 0.0))
         o = tl.where(any_valid[:, None], tl.math.div_rn(acc, denom[:, None]), 0.0)
+        o = tl.where(nan_i[:, None] > 0, float("nan"), o)
         tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + cols[None, :], o.to(tl.bfloat16),
                  mask=head_ok[:, None])
 
@@ -192,9 +197,12 @@ def _merge_splits_kernel(
 
     # global max over the splits
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    nan = tl.zeros([BLOCK_H], tl.int32)  # a split that saw a NaN logit stored NaN as its max
     for s in range(0, n_splits):
         part = (s * T + t64) * H + heads
-        m = tl.maximum(m, tl.load(part_ml_ptr + part * 2, mask=head_ok, other=float("-inf")))
+        m_s = tl.load(part_ml_ptr + part * 2, mask=head_ok, other=float("-inf"))
+        nan = tl.maximum(nan, (m_s != m_s).to(tl.int32))
+        m = tl.maximum(m, tl.where(m_s != m_s, float("-inf"), m_s))
     any_valid = m != float("-inf")
     m_base = tl.where(any_valid, m, 0.0)
 
@@ -212,6 +220,7 @@ def _merge_splits_kernel(
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0)
     denom = l + tl.exp(sink - m_base)
     o = tl.where(any_valid[:, None], tl.math.div_rn(acc, denom[:, None]), 0.0)
+    o = tl.where(nan[:, None] > 0, float("nan"), o)
     tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + cols[None, :], o.to(tl.bfloat16),
              mask=head_ok[:, None])
 
