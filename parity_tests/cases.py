@@ -24,6 +24,8 @@ OP_MODULES = ("parity_tests.ops.einsum", "parity_tests.ops.moe", "parity_tests.o
 DECODE_TOKENS = (1, 8, 64, 128)
 PREFILL_TOKENS = (512, 4096, 8192)
 FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
+# Where the TINY cases run: the GPU when there is one (Triton compiles for it), else the CPU (interpreter).
+TINY_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class NotRun(Exception):

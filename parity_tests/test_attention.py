@@ -14,7 +14,7 @@ import torch
 import optimized
 from optimized import attention as oa
 from optimized.backends import backend_status, registry
-from parity_tests.cases import FP8_FORMATS, Case, NotRun, all_cases, generator
+from parity_tests.cases import FP8_FORMATS, TINY_DEVICE, Case, NotRun, all_cases, generator
 from parity_tests.metrics import calc_diff
 from parity_tests.ops.attention import GPU_CONFIGS, OPS, layer_of_kind
 from parity_tests.tolerances import COMPRESS_SIMULATED, FP8_END_TO_END, INDEXER_SCORES_FP32, SPARSE_ATTENTION_SIMULATED
@@ -52,7 +52,7 @@ def _run(case: Case, backend: str) -> None:
 
 
 @needs_triton
-@pytest.mark.parametrize("case", all_cases("TINY", "cpu", ops=list(OPS)), ids=lambda case: case.id)
+@pytest.mark.parametrize("case", all_cases("TINY", TINY_DEVICE, ops=list(OPS)), ids=lambda case: case.id)
 def test_triton_matches_the_reference_on_tiny_cases(case: Case) -> None:
     _run(case, "triton")
 

@@ -18,7 +18,7 @@ import optimized
 from optimized.backends import backend_status, registry
 from optimized.deepgemm import einsum as dg_einsum
 from optimized.deepgemm import linear as dg_linear
-from parity_tests.cases import FP8_FORMATS, Case, NotRun, all_cases, generator
+from parity_tests.cases import FP8_FORMATS, TINY_DEVICE, Case, NotRun, all_cases, generator
 from parity_tests.metrics import calc_diff
 from parity_tests.ops.einsum import GPU_CONFIGS, OPS
 from parity_tests.tolerances import FP8_END_TO_END, FP8_GEMM_SIMULATED, fp8_quant_dequant_bound
@@ -51,7 +51,7 @@ def _run(case: Case, backend: str) -> None:
 
 
 @needs_triton
-@pytest.mark.parametrize("case", all_cases("TINY", "cpu", ops=list(OPS)), ids=lambda case: case.id)
+@pytest.mark.parametrize("case", all_cases("TINY", TINY_DEVICE, ops=list(OPS)), ids=lambda case: case.id)
 def test_triton_matches_the_reference_on_tiny_cases(case: Case) -> None:
     _run(case, "triton")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from optimized.backends import backend_status
-from parity_tests.cases import Case, NotRun, generator
+from parity_tests.cases import TINY_DEVICE, Case, NotRun, generator
 from parity_tests.ops.moe import GPU_CONFIGS, experts_cases, moe_cases, route_cases
 from reference.config import TINY
 from reference.moe import random_moe_weights
@@ -37,7 +37,7 @@ def _run(case: Case, backend: str) -> None:
     assert not failed, f"{case.id} on {backend}:\n" + "\n".join(failed)
 
 
-@pytest.mark.parametrize("case", _cases("TINY", "cpu"), ids=lambda case: case.id)
+@pytest.mark.parametrize("case", _cases("TINY", TINY_DEVICE), ids=lambda case: case.id)
 def test_triton_matches_the_reference_on_tiny_cases(case: Case) -> None:
     _run(case, "triton")
 
