@@ -31,7 +31,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from optimized.backends import register
+from optimized.backends import checking_values, register
 from optimized.einsum import output_projection
 from optimized.linear import fp8_linear, implementation
 from reference import attention as ref
@@ -132,7 +132,7 @@ def check_sparse_attention_args(
         raise ValueError(f"scale: expected a positive float, got {scale!r}")
     fp8_format(fmt)  # raises ValueError("fmt: ...")
     _same_device(q.device, kv=kv, indices=indices, sink=sink)
-    if indices.numel():
+    if indices.numel() and checking_values(indices):
         lo, hi = int(indices.min()), int(indices.max())
         if lo < -1 or hi >= kv.shape[0]:
             raise ValueError(f"indices: expected values in -1..{kv.shape[0] - 1} (rows of kv, -1 = empty), "
@@ -416,7 +416,9 @@ def indexer_topk(
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk: expected an int >= 1, got {topk!r}")
     _same_device(scores.device, n_visible=n_visible)
-    if n_visible.numel() and (int(n_visible.min()) < 0 or int(n_visible.max()) > scores.shape[1]):
+    in_range = not (n_visible.numel() and checking_values(n_visible)) or (
+        int(n_visible.min()) >= 0 and int(n_visible.max()) <= scores.shape[1])
+    if not in_range:
         raise ValueError(f"n_visible: expected values in 0..{scores.shape[1]} (the number of entries), got "
                          f"{int(n_visible.min())}..{int(n_visible.max())}")
     return implementation("indexer_topk", backend).load()(scores, n_visible, topk)

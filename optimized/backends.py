@@ -212,6 +212,18 @@ def dispatch(op: str, backend: str | None, *args: Any, **kwargs: Any) -> Any:
     return select(op, backend).load()(*args, **kwargs)
 
 
+def checking_values(t: Any) -> bool:
+    """Whether value-dependent input checks (indices in range, token ids in the vocabulary) may read `t`.
+
+    They read the device once per call, which a CUDA graph capture forbids. While a graph is being captured
+    they are skipped: the standard capture recipe runs the same calls eagerly first (warm-up), where they
+    were checked; shape, dtype, device and layout checks always run.
+    """
+    import torch
+
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def capability_rows() -> list[dict[str, str]]:
     """One row per op: for each backend `yes`/`no`/`-` (not implemented) plus notes."""
     rows = []

@@ -28,7 +28,7 @@ import weakref
 import torch
 from torch import nn
 
-from optimized.backends import register, select
+from optimized.backends import checking_values, register, select
 from reference.config import DSv4Config
 from reference.formats import FP8Format, fp8_format
 from reference.moe import MoEWeights
@@ -144,8 +144,8 @@ def _check_router(x: torch.Tensor, gate_weight: object, bias: object, token_ids:
     token_ids = _check_tensor("token_ids", token_ids, x.device)
     if tuple(token_ids.shape) != (x.shape[0],) or token_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"token_ids: expected [{x.shape[0]}] int32/int64, got {_describe(token_ids)}")
-    if token_ids.numel() == 0:
-        return False
+    if token_ids.numel() == 0 or not checking_values(token_ids):
+        return False  # under CUDA-graph capture: routing tables hold distinct ids per row
     vocab = tid2eid.shape[0]
     bad_token = ((token_ids < 0) | (token_ids >= vocab)).any()
     rows = tid2eid[token_ids.clamp(0, max(vocab - 1, 0)).long()]
@@ -216,8 +216,8 @@ def _check_experts(x: torch.Tensor, topk_ids: object, topk_weights: object, w13:
     if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights: expected {tuple(topk_ids.shape)} floating point (as topk_ids), "
                          f"got {_describe(topk_weights)}")
-    if topk_ids.numel() == 0:
-        return False
+    if topk_ids.numel() == 0 or not checking_values(topk_ids):
+        return False  # under CUDA-graph capture: a router's top-k ids are distinct per row
     out_of_range = ((topk_ids < -1) | (topk_ids >= n_experts)).any()
     bad, repeated = torch.stack((out_of_range, _rows_repeat(topk_ids))).tolist()  # the one device read
     if bad:
