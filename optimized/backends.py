@@ -15,11 +15,13 @@ deep_gemm) is imported until a kernel is actually called.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,16 +214,32 @@ def dispatch(op: str, backend: str | None, *args: Any, **kwargs: Any) -> Any:
     return select(op, backend).load()(*args, **kwargs)
 
 
+_VALUE_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar("dsv4_value_checks", default=True)
+
+
 def checking_values(t: Any) -> bool:
     """Whether value-dependent input checks (indices in range, token ids in the vocabulary) may read `t`.
 
     They read the device once per call, which a CUDA graph capture forbids. While a graph is being captured
     they are skipped: the standard capture recipe runs the same calls eagerly first (warm-up), where they
-    were checked; shape, dtype, device and layout checks always run.
+    were checked. Inside `value_checks(False)` they are skipped too (a serving loop that validated its
+    inputs elsewhere). Shape, dtype, device and layout checks always run.
     """
     import torch
 
+    if not _VALUE_CHECKS.get():
+        return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool) -> Iterator[None]:
+    """Turn the value-dependent input checks (the only ones that read the device) on or off in a block."""
+    token = _VALUE_CHECKS.set(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS.reset(token)
 
 
 def capability_rows() -> list[dict[str, str]]:

@@ -5,7 +5,8 @@
 * batch invariance: a probe's outputs do not change, bit for bit, when other tokens / sequences are put
   in the same call (`Probe.join`): no split-K, tile shape or reduction order that depends on the batch
   (unless the capability table's note declares the op "not batch-invariant", with the reason).
-* CUDA graphs: a decode-path probe makes no host synchronization (`torch.cuda.set_sync_debug_mode`),
+* CUDA graphs: a decode-path probe makes no host synchronization (`torch.cuda.set_sync_debug_mode`; the value checks,
+  which read the device by design and are skipped under capture, switched off),
   can be captured in a `torch.cuda.CUDAGraph`, and the replay gives the eager result bit for bit; a
   second replay after copying new inputs into the captured buffers gives their eager result. Needs a GPU.
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from optimized.backends import BACKENDS
+from optimized.backends import BACKENDS, value_checks
 from parity_tests.cases import Check, NotRun
 from parity_tests.probes import Probe, all_probes, as_tensors, bitwise_mismatches
 from parity_tests.report import Task, shape_matches
@@ -120,7 +121,10 @@ def check_cuda_graph(probe: Probe, backend: str, device: str) -> list[Check]:
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        probe.call(inputs, backend)
+        # The value checks (index ranges, token ids) read the device by design and are skipped under capture;
+        # what must not sync is the op itself.
+        with value_checks(False):
+            probe.call(inputs, backend)
         syncs, sync_detail = 0, "no synchronizing call"
     except RuntimeError as exc:
         syncs, sync_detail = 1, f"host synchronization: {exc}"
