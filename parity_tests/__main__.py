@@ -153,11 +153,23 @@ def collect(args: argparse.Namespace, device: str, configs: list[str], suites: l
     return tasks, errors
 
 
-def run_tasks(tasks: list[Task], console: Console, show_progress: bool) -> list[Result]:
-    """Execute every task (progress bar when asked)."""
+def run_tasks(tasks: list[Task], console: Console, show_progress: bool,
+              partial: Callable[[list[Result]], None] | None = None) -> list[Result]:
+    """Execute every task: a progress bar when asked, else one line per finished task (CI logs).
+
+    `partial` is called with the results so far after each task, so a run killed by a time limit still
+    leaves its report behind.
+    """
+    results: list[Result] = []
     if not show_progress:
-        return [report.execute(t) for t in tasks]
-    results = []
+        for t in tasks:
+            r = report.execute(t)
+            results.append(r)
+            console.print(f"{r.status:8s} {r.suite} {r.op}[{r.config},{r.shape},{r.fmt}] {r.backend} "
+                          f"{r.seconds:.2f} s {r.reason[:100]}", markup=False, highlight=False)
+            if partial is not None:
+                partial(results)
+        return results
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         bar = progress.add_task("parity", total=len(tasks))
@@ -240,11 +252,15 @@ def main(argv: list[str] | None = None) -> int:
         return report.exit_code(results)
 
     show_progress = sys.stdout.isatty() if args.progress is None else args.progress
-    results += run_tasks(tasks, console, show_progress)
-
     header = report.make_header(["dsv4-parity", *(sys.argv[1:] if argv is None else argv)])
     json_path = args.json or args.out / "report.json"
     junit_path = args.junit or args.out / "junit.xml"
+    collected = list(results)
+
+    def write_partial(done: list[Result]) -> None:
+        report.write_json(json_path, collected + done, {**header, "partial": f"{len(done)} of {len(tasks)} tasks"})
+
+    results += run_tasks(tasks, console, show_progress, write_partial)
     report.write_json(json_path, results, header)
     report.write_junit(junit_path, results, header)
     report.print_table(results, console, verbose=args.verbose)
