@@ -107,6 +107,22 @@ def all_cases(config: str, device: str, ops: list[str] | None = None) -> list[Ca
     return [case for op, make in found.items() if not ops or op in ops for case in make(config, device)]
 
 
+def require(device: str, fmt: str, backend: str) -> None:
+    """Raise `NotRun` when this machine or `backend` cannot run a case on `device` in FP8 format `fmt`."""
+    from optimized.backends import backend_status
+
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise NotRun("needs a GPU")
+    ok, why = backend_status(backend)
+    if not ok:
+        raise NotRun(why)
+    if backend == "deepgemm" and fmt != "e4m3fn":
+        raise NotRun("DeepGEMM supports e4m3fn only")
+    if (backend == "triton" and fmt == "e4m3fnuz" and torch.device(device).type == "cuda"
+            and torch.version.hip is None):
+        raise NotRun("Triton has no e4m3fnuz (gfx942's format) on NVIDIA GPUs")
+
+
 def generator(seed: int, device: str = "cpu") -> torch.Generator:
     """A seeded CPU generator (inputs are drawn on the CPU and moved, so every device sees the same data)."""
     del device

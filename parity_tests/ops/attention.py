@@ -32,8 +32,7 @@ from dataclasses import dataclass
 import torch
 
 import optimized
-from optimized.backends import backend_status
-from parity_tests.cases import FP8_FORMATS, Case, Check, NotRun, provider
+from parity_tests.cases import FP8_FORMATS, Case, Check, NotRun, provider, require
 from parity_tests.metrics import calc_diff, max_abs_error, worst_position
 from parity_tests.tolerances import (
     ATTENTION_LAYER_SIMULATED,
@@ -241,15 +240,7 @@ def attention_cases(config: str, device: str) -> list[Case]:
 
 def _require(spec: AttentionSpec, backend: str) -> None:
     """NotRun when this machine or backend cannot run the case."""
-    if spec.device == "cuda" and not torch.cuda.is_available():
-        raise NotRun("needs a GPU")
-    ok, why = backend_status(backend)
-    if not ok:
-        raise NotRun(why)
-    if backend == "deepgemm" and spec.fmt != "e4m3fn":
-        raise NotRun("DeepGEMM supports e4m3fn only")
-    if spec.fmt == "e4m3fnuz" and spec.device == "cuda" and torch.version.hip is None:
-        raise NotRun("Triton has no e4m3fnuz (gfx942's format) on NVIDIA GPUs")
+    require(spec.device, spec.fmt, backend)
 
 
 def _generator(spec: AttentionSpec) -> torch.Generator:

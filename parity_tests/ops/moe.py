@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from parity_tests.cases import Case, Check, NotRun, generator, provider
+from parity_tests.cases import Case, Check, NotRun, generator, provider, require
 from parity_tests.metrics import calc_diff, max_abs_error, max_rel_error, nonfinite_positions_equal, worst_position
 from parity_tests.tolerances import (
     BITWISE,
@@ -299,8 +299,7 @@ def _require(spec: MoESpec, backend: str) -> None:
     """NotRun for combinations a backend cannot run by design (said in the report)."""
     if spec.config != "TINY" and torch.device(spec.device).type != "cuda":
         raise NotRun(f"{spec.config}-shaped MoE cases run on a GPU (device cuda), not {spec.device}")
-    if backend == "deepgemm" and spec.fmt != "e4m3fn":
-        raise NotRun("DeepGEMM supports e4m3fn only")
+    require(spec.device, spec.fmt, backend)
 
 
 def _candidate(spec: MoESpec, backend: str, call: Callable[[], Any]) -> Any:
