@@ -14,9 +14,10 @@ import torch
 import optimized
 from optimized import attention as oa
 from optimized.backends import backend_status, registry
-from parity_tests.cases import FP8_FORMATS, TINY_DEVICE, Case, NotRun, all_cases, generator
+from parity_tests.cases import FP8_FORMATS, TINY_DEVICE, Case, all_cases, generator
 from parity_tests.metrics import calc_diff
 from parity_tests.ops.attention import GPU_CONFIGS, OPS, layer_of_kind
+from parity_tests.testing import assert_case_passes
 from parity_tests.tolerances import COMPRESS_SIMULATED, FP8_END_TO_END, INDEXER_SCORES_FP32, SPARSE_ATTENTION_SIMULATED
 from reference import attention as ref
 from reference import compressor as ref_comp
@@ -36,16 +37,6 @@ ATTENTION_OPS = ("sparse_attention", "indexer_scores", "indexer_topk", "compress
                  "indexer_q", "attention")
 
 
-def _run(case: Case, backend: str) -> None:
-    try:
-        checks = case.run(backend)
-    except NotRun as exc:
-        pytest.skip(f"not run: {exc}")
-    failed = [f"{c.name}: {c.value:.3g} > {c.bound.value:g} ({c.bound.tier}: {c.bound.reason}) {c.detail}"
-              for c in checks if not c.passed]
-    assert not failed, f"{case.id} on {backend}:\n" + "\n".join(failed)
-
-
 # ------------------------------------------------------------------------------------------------
 # Parity cases
 # ------------------------------------------------------------------------------------------------
@@ -54,7 +45,7 @@ def _run(case: Case, backend: str) -> None:
 @needs_triton
 @pytest.mark.parametrize("case", all_cases("TINY", TINY_DEVICE, ops=list(OPS)), ids=lambda case: case.id)
 def test_triton_matches_the_reference_on_tiny_cases(case: Case) -> None:
-    _run(case, "triton")
+    assert_case_passes(case, "triton")
 
 
 _GPU = [(case, backend) for config in GPU_CONFIGS for case in all_cases(config, "cuda", ops=list(OPS))
@@ -68,7 +59,7 @@ _GPU = [(case, backend) for config in GPU_CONFIGS for case in all_cases(config, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FLASH / PRO shapes)")
 @pytest.mark.parametrize(("case", "backend"), _GPU, ids=[f"{case.id}-{backend}" for case, backend in _GPU])
 def test_backends_match_the_reference_at_flash_and_pro_shapes(case: Case, backend: str) -> None:
-    _run(case, backend)
+    assert_case_passes(case, backend)
 
 
 def test_every_attention_op_is_registered_for_every_backend() -> None:

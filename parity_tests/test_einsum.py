@@ -18,9 +18,10 @@ import optimized
 from optimized.backends import backend_status, registry
 from optimized.deepgemm import einsum as dg_einsum
 from optimized.deepgemm import linear as dg_linear
-from parity_tests.cases import FP8_FORMATS, TINY_DEVICE, Case, NotRun, all_cases, generator
+from parity_tests.cases import FP8_FORMATS, TINY_DEVICE, Case, all_cases, generator
 from parity_tests.metrics import calc_diff
 from parity_tests.ops.einsum import GPU_CONFIGS, OPS
+from parity_tests.testing import assert_case_passes
 from parity_tests.tolerances import FP8_END_TO_END, FP8_GEMM_SIMULATED, fp8_quant_dequant_bound
 from reference import einsum as ref
 from reference.config import TINY
@@ -35,16 +36,6 @@ TRITON_OK, TRITON_WHY = backend_status("triton")
 needs_triton = pytest.mark.skipif(not TRITON_OK, reason=f"triton backend unavailable: {TRITON_WHY}")
 
 
-def _run(case: Case, backend: str) -> None:
-    try:
-        checks = case.run(backend)
-    except NotRun as exc:
-        pytest.skip(f"not run: {exc}")
-    failed = [f"{c.name}: {c.value:.3g} > {c.bound.value:g} ({c.bound.tier}: {c.bound.reason}) {c.detail}"
-              for c in checks if not c.passed]
-    assert not failed, f"{case.id} on {backend}:\n" + "\n".join(failed)
-
-
 # ------------------------------------------------------------------------------------------------
 # Parity cases
 # ------------------------------------------------------------------------------------------------
@@ -53,7 +44,7 @@ def _run(case: Case, backend: str) -> None:
 @needs_triton
 @pytest.mark.parametrize("case", all_cases("TINY", TINY_DEVICE, ops=list(OPS)), ids=lambda case: case.id)
 def test_triton_matches_the_reference_on_tiny_cases(case: Case) -> None:
-    _run(case, "triton")
+    assert_case_passes(case, "triton")
 
 
 _GPU = [(case, backend) for config in GPU_CONFIGS for case in all_cases(config, "cuda", ops=list(OPS))
@@ -64,7 +55,7 @@ _GPU = [(case, backend) for config in GPU_CONFIGS for case in all_cases(config, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FLASH / PRO shapes)")
 @pytest.mark.parametrize(("case", "backend"), _GPU, ids=[f"{case.id}-{backend}" for case, backend in _GPU])
 def test_backends_match_the_reference_at_flash_and_pro_shapes(case: Case, backend: str) -> None:
-    _run(case, backend)
+    assert_case_passes(case, backend)
 
 
 def test_every_einsum_op_is_registered_for_every_backend() -> None:

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from optimized.backends import backend_status
-from parity_tests.cases import TINY_DEVICE, Case, NotRun, generator
+from parity_tests.cases import TINY_DEVICE, Case, generator
 from parity_tests.ops.moe import GPU_CONFIGS, experts_cases, moe_cases, route_cases
+from parity_tests.testing import assert_case_passes
 from reference.config import TINY
 from reference.moe import random_moe_weights
 from reference.numerics import OFFICIAL
@@ -28,13 +29,7 @@ def _run(case: Case, backend: str) -> None:
     ok, why = backend_status(backend)
     if not ok:
         pytest.skip(f"backend {backend!r} unavailable: {why}")
-    try:
-        checks = case.run(backend)
-    except NotRun as exc:
-        pytest.skip(f"not run: {exc}")
-    failed = [f"{c.name}: {c.value:.3g} > {c.bound.value:g} ({c.bound.tier}, {c.bound.reason}) {c.detail}"
-              for c in checks if not c.passed]
-    assert not failed, f"{case.id} on {backend}:\n" + "\n".join(failed)
+    assert_case_passes(case, backend)
 
 
 @pytest.mark.parametrize("case", _cases("TINY", TINY_DEVICE), ids=lambda case: case.id)
