@@ -35,7 +35,7 @@ from optimized.backends import checking_values, register
 from optimized.einsum import output_projection
 from optimized.linear import fp8_linear, implementation
 from reference import attention as ref
-from reference.attention import AttentionWeights, candidate_indices, check_tokens, visible_entries
+from reference.attention import AttentionWeights, candidate_indices, check_continuation, check_tokens, visible_entries
 from reference.cache import KV_PACKED_BYTES, pack_kv, unpack_kv
 from reference.cache import AttentionCache as ReferenceCache
 from reference.compressor import CompressorState, CompressorWeights, overlap_factor
@@ -677,10 +677,7 @@ class Attention(nn.Module):
         elif not isinstance(cache, AttentionCache):
             raise TypeError(f"cache: expected an optimized.AttentionCache or None, got {type(cache).__name__}")
         cache.check(cfg, self.layer_id, batch, self.packed)
-        for b, seq in enumerate(cache.sequences):
-            if bounds[b + 1] > bounds[b] and int(positions[bounds[b]]) != seq.next_position:
-                raise ValueError(f"positions: sequence {b} starts at {int(positions[bounds[b]])}, its cache "
-                                 f"continues at {seq.next_position}")
+        check_continuation(positions, bounds, cache.sequences)
 
         q, c_q = _project_q(backend, x, w, cfg, positions, self.freqs, numerics)
         kv = _project_kv(backend, x, w, cfg, positions, self.freqs, numerics, packed=self.packed)

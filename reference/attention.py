@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -382,6 +383,14 @@ def _attend(
 # ------------------------------------------------------------------------------------------------
 
 
+def check_continuation(positions: torch.Tensor, bounds: list[int], sequences: Sequence[Any]) -> None:
+    """Each sequence's first new token continues its cache (`sequences[b].next_position`); raises ValueError."""
+    for b, seq in enumerate(sequences):
+        if bounds[b + 1] > bounds[b] and int(positions[bounds[b]]) != seq.next_position:
+            raise ValueError(f"positions: sequence {b} starts at {int(positions[bounds[b]])}, its cache "
+                             f"continues at {seq.next_position}")
+
+
 def check_tokens(
     x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, dim: int
 ) -> list[int]:
@@ -456,10 +465,7 @@ class Attention(nn.Module):
         elif not isinstance(cache, AttentionCache):
             raise TypeError(f"cache: expected an AttentionCache or None, got {type(cache).__name__}")
         cache.check(cfg, self.layer_id, batch, x.device)
-        for b, seq in enumerate(cache.sequences):
-            if bounds[b + 1] > bounds[b] and int(positions[bounds[b]]) != seq.next_position:
-                raise ValueError(f"positions: sequence {b} starts at {int(positions[bounds[b]])}, its cache "
-                                 f"continues at {seq.next_position}")
+        check_continuation(positions, bounds, cache.sequences)
 
         q, c_q = project_q(x, w, cfg, positions, self.freqs, numerics)
         kv = project_kv(x, w, cfg, positions, self.freqs, numerics)
