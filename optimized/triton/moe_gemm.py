@@ -38,7 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from optimized.triton._fp8 import fp8_constants, prepare_interpreter, round_to_fp8_grid, ue8m0_scale
+from optimized.triton._fp8 import (
+    fp8_constants,
+    pow2_reciprocal,
+    prepare_interpreter,
+    round_to_fp8_grid,
+    ue8m0_scale,
+)
 from optimized.triton.aot import AotSpec
 from optimized.triton.moe_permute import MoeLayout
 from reference.formats import ACT_EPS, FP8Format, fp8_format
@@ -120,7 +126,7 @@ def _quantize_rows(
     amax = tl.max(tl.abs(blocks), axis=2)
     has_nan = tl.max((blocks != blocks).to(tl.int32), axis=2) > 0
     scale = ue8m0_scale(amax, FP8_MAX, EPS)
-    q = round_to_fp8_grid(tl.div_rn(blocks, scale[:, :, None]), FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
+    q = round_to_fp8_grid(blocks * pow2_reciprocal(scale)[:, :, None], FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
     return tl.reshape(q, [BLOCK_M, BLOCK_N]), tl.where(has_nan, float("nan"), scale)
 
 

@@ -29,7 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from optimized.triton._fp8 import fp8_constants, prepare_interpreter, round_to_fp8_grid, ue8m0_scale
+from optimized.triton._fp8 import (
+    fp8_constants,
+    pow2_reciprocal,
+    prepare_interpreter,
+    round_to_fp8_grid,
+    ue8m0_scale,
+)
 from optimized.triton.aot import AotSpec
 from reference.einsum import ATTN_OUT_EPS, SCALE_BLOCK, check_attn_output_args
 from reference.formats import ACT_EPS, FP8Format, fp8_format
@@ -54,13 +60,11 @@ def _quantize_rows(x, scale, out_dtype: tl.constexpr, FP8_MAX: tl.constexpr, MIN
                    HAS_NEG_ZERO: tl.constexpr):
     """`x / scale` (one scale per row) rounded onto the FP8 grid and cast to `out_dtype`; NaN stays NaN.
 
-    `1 / scale` is built from the scale's exponent bits (exact: a power of two; 2^-127 is subnormal). The
+    `1 / scale` is built from the scale's exponent bits (`pow2_reciprocal`: exact). The
     clamps of `round_to_fp8_grid` would turn a NaN into +-FP8_MAX, so NaN elements get the format's NaN
     byte (0x7F e4m3fn, 0x80 e4m3fnuz) by bitcast, which every backend and the interpreter store as is.
     """
-    exponent = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    inverse = tl.where(exponent == 254, 2.0**-127, ((254 - exponent) << 23).to(tl.float32, bitcast=True))
-    xs = x * inverse[:, None]
+    xs = x * pow2_reciprocal(scale)[:, None]
     q = round_to_fp8_grid(xs, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO).to(out_dtype)
     nan = tl.full(xs.shape, 0x7F if HAS_NEG_ZERO else 0x80, tl.uint8).to(out_dtype, bitcast=True)
     return tl.where(xs != xs, nan, q)

@@ -15,7 +15,8 @@ Every step rounds where the reference rounds (`reference.attention.project_q` / 
 output to bf16, the Hadamard output to bf16, the quant-dequantized values to bf16. RoPE uses the reference's
 own cos/sin tables (`reference.rope.rope_cos_sin`, computed by torch on the same device) and runs without
 FMA contraction (`enable_fp_fusion=False`), so its products and differences round exactly as torch's do;
-every division is `div_rn` (Triton's `/` is the approximate `div.full.f32` on NVIDIA).
+every division is `div_rn` (Triton's `/` is the approximate `div.full.f32` on NVIDIA), except divisions by a power of
+two, which multiply by its exact reciprocal (`pow2_reciprocal`).
 What can differ from the reference: the fp32 order of the norm's sum of squares (and the Hadamard's sums
 when a row spans more than 16 binades), which moves a bf16 rounding now and then by one bf16 ulp, and
 downstream of it an FP8/FP4 rounding by one step.
@@ -30,7 +31,13 @@ import triton
 import triton.language as tl
 
 from optimized.backends import detect
-from optimized.triton._fp8 import fp8_constants, prepare_interpreter, round_to_fp8_grid, ue8m0_scale
+from optimized.triton._fp8 import (
+    fp8_constants,
+    pow2_reciprocal,
+    prepare_interpreter,
+    round_to_fp8_grid,
+    ue8m0_scale,
+)
 from optimized.triton.aot import AotSpec
 from reference.formats import fp8_format
 from reference.hadamard import sylvester_hadamard
@@ -57,8 +64,9 @@ def round_to_fp4_grid(x):
     exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, 0)
     step = ((exponent - 1 + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((128 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^(1-e), exact
     magic = 12582912.0  # 1.5 * 2^23
-    y = ((tl.math.div_rn(x, step) + magic) - magic) * step
+    y = ((x * inv_step + magic) - magic) * step
     return tl.where(y == 0.0, 0.0, y)
 
 
@@ -129,7 +137,7 @@ def _rope_quant_kernel(
         # the RoPE dims stay bf16
         nope = (cols < D - 64)[None, :]
         scale = ue8m0_scale(_block_amax(tl.where(nope, x, 0.0), BLOCK_R, D, 64), FP8_MAX, 1e-4)
-        q = round_to_fp8_grid(tl.math.div_rn(x, scale), FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
+        q = round_to_fp8_grid(x * pow2_reciprocal(scale), FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
         if QUANT == 1:
             y = tl.where(nope, q * scale, x)
             tl.store(out_ptr + r64[:, None] * stride_out + cols[None, :], y.to(tl.bfloat16), mask=row_ok[:, None])
@@ -148,7 +156,7 @@ def _rope_quant_kernel(
     elif QUANT == 3:
         # QD_fp4 in blocks of 32 with UE8M0 scales, qmax 6, amax floor 6 * 2^-126 (reference.formats.FP4_EPS)
         scale = ue8m0_scale(_block_amax(x, BLOCK_R, D, 32), 6.0, 7.052966104933725e-38)
-        y = round_to_fp4_grid(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -6.0), 6.0)) * scale
+        y = round_to_fp4_grid(tl.minimum(tl.maximum(x * pow2_reciprocal(scale), -6.0), 6.0)) * scale
         tl.store(out_ptr + r64[:, None] * stride_out + cols[None, :], y.to(tl.bfloat16), mask=row_ok[:, None])
     else:
         tl.store(out_ptr + r64[:, None] * stride_out + cols[None, :], x.to(tl.bfloat16), mask=row_ok[:, None])
