@@ -27,6 +27,11 @@ import time
 from pathlib import Path
 from typing import IO
 
+# Before torch touches CUDA: with the default allocator the H100 run of 2026-12-02 held 77 GB "reserved but
+# unallocated" in segments split by live buffers, which empty_cache cannot return, and the MoE and attention
+# families ran out of memory; expandable segments map and unmap pages instead (workers inherit the setting).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 import torch
 
 DEFAULT_CONFIGS = ("FLASH", "PRO")

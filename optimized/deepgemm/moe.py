@@ -22,8 +22,12 @@ MN-major and TMA-aligned; B the experts' [E, N, K] e4m3fn with [E, N/128, K/128]
     expert of each row, -1 on padding. The row count is read back from the device once per call: DeepGEMM
     loads A and B tiles even for blocks it skips, so trailing empty blocks must not be passed to it.
 
-MASKED_MAX_TOKENS is where the layouts cross; the lead measures it on the H200 (both layouts can be timed
-at any T through `experts(..., layout=...)`, the benchmark hook).
+MASKED_MAX_TOKENS is where the layouts cross, from `dsv4-bench --ops experts` (both layouts timed at every T
+through `experts(..., layout=...)`, the benchmark hook). FLASH on the H100, 2026-12-02, graph replays, masked
+vs contiguous: T=8 450 vs 1267 us, T=64 1810 vs 2269, T=128 2196 vs 2724, T=512 2425 vs 3203, T=4096 2902 vs
+3598. Masked wins at every T, but its buffers grow as E x T rows (A FP8, gate/up and down outputs bf16:
+~20 GB at T=4096 on FLASH, ~2.5 GB at 512), and at T=8192 it does not fit next to the weights. 512 keeps it
+to a few GB; above, the contiguous layout (memory ~ T x k rows) takes over.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from reference.numerics import Numerics
 from reference.weights import FP8_WEIGHT_BLOCK, Fp4Weight, Fp8Weight
 
 # Largest token count that runs on the masked layout (decode); above it, the contiguous layout (prefill).
-MASKED_MAX_TOKENS = 64
+MASKED_MAX_TOKENS = 512
 # The masked layout's capacity per expert is T rounded up to this (a multiple of every BLOCK_M DeepGEMM's
 # SM90 masked kernel picks: 64 or 128), so its whole-tile stores stay inside the expert's rows.
 MASKED_ROW_ALIGN = 128

@@ -37,6 +37,7 @@ from parity_tests.tolerances import (
     ROUTE_NEAR_TIE_GAP,
     ROUTE_SETS,
     ROUTE_WEIGHTS,
+    moe_simulated,
 )
 from reference.config import DSv4Config, get_config
 from reference.moe import (
@@ -401,9 +402,10 @@ def route_checks(ref: tuple[torch.Tensor, torch.Tensor], cand: tuple[torch.Tenso
 
 
 def output_checks(cand: torch.Tensor, ref: torch.Tensor, ref_exact: torch.Tensor,
-                  rows: torch.Tensor | None = None) -> list[Check]:
+                  rows: torch.Tensor | None = None, slot_inter: int | None = None) -> list[Check]:
     """Checks of a candidate [T, D] bf16 output: layout, NaN/Inf positions, `MOE_SIMULATED` against `ref`
-    (same numerics) and `MOE_END_TO_END` against `ref_exact`, over the finite rows (and `rows`)."""
+    (same numerics; `moe_simulated` of the compared tokens x `slot_inter` = k x I when given) and
+    `MOE_END_TO_END` against `ref_exact`, over the finite rows (and `rows`)."""
     if tuple(cand.shape) != tuple(ref.shape) or cand.dtype != torch.bfloat16 or cand.device != ref.device:
         return [Check("layout", BITWISE, 1, f"expected {tuple(ref.shape)} bf16 on {ref.device}, got "
                                             f"{tuple(cand.shape)} {cand.dtype} on {cand.device}")]
@@ -415,7 +417,8 @@ def output_checks(cand: torch.Tensor, ref: torch.Tensor, ref_exact: torch.Tensor
         Check("layout", BITWISE, 0, "[T, D] bf16"),
         Check("non-finite positions", BITWISE, 0 if nonfinite_positions_equal(cand, ref) else 1,
               f"{int((~finite).sum())} tokens with non-finite reference output"),
-        Check("vs reference, same numerics", MOE_SIMULATED, calc_diff(c, r),
+        Check("vs reference, same numerics",
+              MOE_SIMULATED if slot_inter is None else moe_simulated(int(keep.sum()) * slot_inter), calc_diff(c, r),
               f"{int(keep.sum())} tokens; worst element {where}" if where else f"{int(keep.sum())} tokens"),
         Check("vs EXACT reference", MOE_END_TO_END, calc_diff(c, e)),
     ]
@@ -482,7 +485,8 @@ def _run_experts(spec: MoESpec, backend: str) -> list[Check]:
     cand = _candidate(spec, backend, lambda: optimized.experts(
         inp["x"], inp["ids"], inp["topk_weights"], w.w13, w.w2, swiglu_limit=inp["cfg"].swiglu_limit,
         numerics=_numerics(spec), backend=backend))
-    return output_checks(cand, inp["ref"], inp["ref_exact"])
+    cfg = inp["cfg"]
+    return output_checks(cand, inp["ref"], inp["ref_exact"], slot_inter=cfg.n_activated_experts * cfg.moe_inter_dim)
 
 
 def _run_moe(spec: MoESpec, backend: str) -> list[Check]:
@@ -501,7 +505,8 @@ def _run_moe(spec: MoESpec, backend: str) -> list[Check]:
                                                            numerics=_numerics(spec), backend=backend))
     sets = Check("expert sets (candidate router)", ROUTE_SETS, int(agree.unexplained.sum()),
                  f"{int(agree.near_tie.sum())} near-tie tokens left out of the output comparison")
-    checks = [sets, *output_checks(cand, inp["ref"], inp["ref_exact"], rows=~agree.near_tie)]
+    checks = [sets, *output_checks(cand, inp["ref"], inp["ref_exact"], rows=~agree.near_tie,
+                                   slot_inter=cfg.n_activated_experts * cfg.moe_inter_dim)]
     if spec.module:
         layer = optimized.MoE(w, cfg, _numerics(spec), backend=backend)
         same = torch.equal(layer(x, inp["token_ids"]), cand)
