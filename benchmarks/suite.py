@@ -314,6 +314,9 @@ class Runner:
                 slow_ref = self._run_point(family, op, env, ctx, t, slow_ref)
         del ctx
         self._free()
+        if self.timer.device == "cuda":  # what a family leaves behind is what the next one cannot use
+            self.log(f"[bench] {family.name}/{cfg} done: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
+                     f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved")
 
     def _record_all(self, family: Family, op: OpBench, cfg: str, tokens: int, status: str, reason: str) -> None:
         self.results.append(Result(family.name, op.name, cfg, tokens, "", "*", "", status, reason))

@@ -110,7 +110,26 @@ class Timer:
 
     @staticmethod
     def _capture(fn: Callable[[], object]) -> Callable[[], object] | None:
-        """`fn` captured in a CUDA graph (on a side stream, after a warm call there), or None if it cannot be."""
+        """`fn` captured in a CUDA graph (on a side stream, after a warm call there), or None if it cannot be.
+
+        A call that synchronizes with the host (a device read, such as DeepGEMM's contiguous-layout row count) is
+        found by one eager call under `torch.cuda.set_sync_debug_mode("error")`, value checks off as under
+        capture, and is never captured. Failed captures are what we avoid: in the H200 run of 2026-12-02, after
+        the MoE family's failed captures, the process held 137 GB "reserved but unallocated" that empty_cache
+        could not return, and every later point ran out of memory (a graph's private pool is released when its
+        capture has ended; one that failed inside the capture apparently never is).
+        """
+        from optimized.backends import value_checks
+
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with value_checks(False):  # input checks read the device by design and are skipped under capture
+                fn()
+        except RuntimeError:  # "called a synchronizing CUDA operation": time it eagerly
+            return None
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -120,7 +139,7 @@ class Timer:
             torch.cuda.current_stream().wait_stream(stream)
             with torch.cuda.graph(graph, stream=stream):
                 fn()
-        except Exception:  # a host sync or an uncapturable op: time it eagerly
+        except Exception:  # an uncapturable op: time it eagerly
             torch.cuda.synchronize()
             return None
         torch.cuda.synchronize()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -71,10 +72,11 @@ for _op in ("project_q", "project_kv", "indexer_q"):
     register(_op, "triton", f"optimized.attention:{_op}_triton")
     register(_op, "deepgemm", f"optimized.attention:{_op}_deepgemm", note=_GLUE)
 register("attention", "reference", "reference.attention:Attention")
-register("attention", "triton", "optimized.attention:Attention",
-         note="rerun-deterministic; not batch-invariant (GEMM tiles, split-KV)")
+_LAYER_NOTE = "rerun-deterministic; not batch-invariant (GEMM tiles, split-KV)"
+register("attention", "triton", "optimized.attention:Attention", note=_LAYER_NOTE)
 register("attention", "deepgemm", "optimized.attention:Attention",
-         note="DeepGEMM GEMMs and indexer logits; Triton sparse attention, compressor, norm/RoPE/quant, top-k")
+         note="DeepGEMM GEMMs and indexer logits; Triton sparse attention, compressor, norm/RoPE/quant, top-k; "
+              + _LAYER_NOTE)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -670,14 +672,18 @@ class Attention(nn.Module):
                          cache: AttentionCache | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, the batch's KV pool (packed or bf16 rows) and each token's candidate indices. Updates `cache`."""
         cfg, w, numerics, backend = self.cfg, self.weights, self.numerics, self.backend
-        bounds = check_tokens(x, positions, cu_seqlens, cfg.dim)
+        # The value checks read the device; under CUDA-graph capture they are skipped, and with `cu_seqlens` on the
+        # CPU (host metadata, as serving engines keep it) a decode step never waits for the device.
+        check = checking_values(positions)
+        bounds = check_tokens(x, positions, cu_seqlens, cfg.dim, validate_positions=check)
         batch = len(bounds) - 1
         if cache is None:
             cache = AttentionCache.empty(cfg, self.layer_id, batch, x.device, packed=self.packed)
         elif not isinstance(cache, AttentionCache):
             raise TypeError(f"cache: expected an optimized.AttentionCache or None, got {type(cache).__name__}")
         cache.check(cfg, self.layer_id, batch, self.packed)
-        check_continuation(positions, bounds, cache.sequences)
+        if check:
+            check_continuation(positions, bounds, cache.sequences)
 
         q, c_q = _project_q(backend, x, w, cfg, positions, self.freqs, numerics)
         kv = _project_kv(backend, x, w, cfg, positions, self.freqs, numerics, packed=self.packed)
@@ -709,7 +715,7 @@ class Attention(nn.Module):
             seq.window[positions[last] % win] = kv[last]
             seq.next_position = start + tokens.stop - tokens.start
         pool, indices = candidate_indices(window_rows, window_first, [s.compressed for s in seqs], selection,
-                                          positions, cu_seqlens, win)
+                                          positions, cu_seqlens, win, validate=check)
         return q, pool, indices
 
     def _indexer_selection(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor, bounds: list[int],
@@ -727,17 +733,20 @@ class Attention(nn.Module):
         n_visible = ((positions + 1) // INDEXER_RATIO).to(torch.int32)
         keys = [s.indexer_keys for s in seqs]
         lengths = [bounds[b + 1] - bounds[b] for b in range(len(seqs))]
+        # Host-side from the cache (the tokens continue it: `check_continuation`): the most keys a token sees, and
+        # where each token's sequence starts in the pooled keys; nothing here reads the device.
+        max_len = max(((s.next_position + n) // INDEXER_RATIO for s, n in zip(seqs, lengths) if n), default=0)
         if self.indexer_backend == "deepgemm":
             from optimized.deepgemm import indexer as dgi
 
             decode = len(set(lengths)) == 1 and lengths[0] <= dgi.MAX_PAGED_NEXT_N
             if decode and lengths[0] > 0:
-                logits = dgi.paged_mqa_logits(q_idx, keys, head_weights, n_visible.view(len(seqs), lengths[0]))
+                logits = dgi.paged_mqa_logits(q_idx, keys, head_weights, n_visible.view(len(seqs), lengths[0]),
+                                              max_len)
                 return ti.topk_indices(logits, n_visible, cfg.index_topk)
-        offsets = torch.tensor([0, *torch.tensor([k.shape[0] for k in keys]).cumsum(0).tolist()][:-1],
-                               dtype=torch.int32, device=x.device)
-        k_start = torch.repeat_interleave(offsets, torch.tensor(lengths, device=x.device))
-        max_len = int(n_visible.max()) if n_visible.numel() else 0
+        offsets = [0, *accumulate(k.shape[0] for k in keys)][:-1]
+        k_start = torch.cat([torch.full((n,), offset, dtype=torch.int32, device=x.device)
+                             for n, offset in zip(lengths, offsets)])
         pool = torch.cat(keys)
         if self.indexer_backend == "deepgemm":
             logits = dgi.mqa_logits(q_idx, pool, head_weights, k_start, k_start + n_visible, max_len)

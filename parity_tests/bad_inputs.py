@@ -69,6 +69,8 @@ def violation(entry: BadInput, backend: str | None, device: str) -> str | None:
     """None when the call behaves as the entry says, else what it did instead."""
     try:
         out = entry.call(backend, device)
+    except NotRun:
+        raise
     except Exception as exc:
         if entry.raises is None:
             return f"raised {type(exc).__name__}: {exc}; expected a defined output"
@@ -659,6 +661,14 @@ def _layer(backend: str | None, d: str, **change: Any) -> Any:
     return layer(i["x"], i["positions"], i["cu_seqlens"])
 
 
+def _runs_tiny_layer(backend: str | None) -> str | None:
+    """`backend`, where it can run the TINY layer at all (a defined output needs a layer that runs)."""
+    if backend == "deepgemm":  # the error-contract entries do run on it: their checks come before any kernel
+        raise NotRun("DeepGEMM's MQA logits take 32 or 64 index heads; the TINY layer has 4 (its FLASH and PRO "
+                     "layers are checked in the parity suite)")
+    return backend
+
+
 def _attention_entries() -> list[BadInput]:
     def sparse(name: str) -> Any:
         return lambda d: _sparse_inputs(d)[name]
@@ -773,7 +783,7 @@ def _attention_entries() -> list[BadInput]:
                  lambda b, d: _layer(b, d, cu_seqlens=torch.tensor([0, 5], device=d)),
                  TypeError, "cu_seqlens: expected int32"),
         BadInput("attention/empty_batch", "attention", "empty",
-                 lambda b, d: _layer(b, d, x=torch.zeros(0, 256, dtype=torch.bfloat16, device=d),
+                 lambda b, d: _layer(_runs_tiny_layer(b), d, x=torch.zeros(0, 256, dtype=torch.bfloat16, device=d),
                                      positions=torch.zeros(0, dtype=torch.int64, device=d),
                                      cu_seqlens=torch.tensor([0, 0], dtype=torch.int32, device=d)),
                  expect=empty_output((0, 256))),

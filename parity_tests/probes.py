@@ -582,6 +582,8 @@ def _attention_probes(config: str, device: str) -> list[Probe]:
             prompt = _sequences(config, lengths, 95 + 1000 * variant, dev)
             step = _sequences(config, (1,) * len(lengths), 97 + 1000 * variant, dev)
             step["positions"] = torch.tensor(lengths, device=dev)
+            # host metadata, as a serving engine keeps it: a decode step then never reads the device
+            step["cu_seqlens"] = step["cu_seqlens"].cpu()
             return {**{f"prompt_{k}": v for k, v in prompt.items()}, **step,
                     "weights": _attention_weights(config, layer, fmt, dev)}
         return make

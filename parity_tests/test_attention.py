@@ -305,7 +305,7 @@ def test_deepgemm_paged_logits_equal_its_flat_logits_and_the_reference() -> None
     q = torch.randn(len(contexts), 64, 128, generator=g, device="cuda").to(torch.bfloat16)
     w = torch.randn(len(contexts), 64, generator=g, device="cuda") * 128**-0.5 * 64**-0.5
     lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
-    paged = dgi.paged_mqa_logits(q, keys, w, lens.view(-1, 1))
+    paged = dgi.paged_mqa_logits(q, keys, w, lens.view(-1, 1), max(contexts))
     starts = torch.tensor([0, *torch.tensor(contexts).cumsum(0).tolist()[:-1]], dtype=torch.int32, device="cuda")
     flat = dgi.mqa_logits(q, torch.cat(keys), w, starts, starts + lens, max(contexts))
     numerics = VLLM_NVIDIA.replace(indexer_fp4_sim=False)

@@ -243,7 +243,8 @@ def visible_entries(positions: torch.Tensor, ratio: int, width: int) -> torch.Te
 
 def candidate_indices(
     window_rows: Sequence[torch.Tensor], window_first: Sequence[int], compressed: Sequence[torch.Tensor],
-    selection: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, window_size: int,
+    selection: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, window_size: int, *,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lay out one KV pool for a batch and the index list `S(t) = W(t) ∪ C(t)` of each token.
 
@@ -261,8 +262,10 @@ def candidate_indices(
         selection: [T, k] int32 — each token's compressed entries (CSA: `indexer_topk`; HCA:
             `visible_entries`; SWA: k = 0).
         positions: [T] int.
-        cu_seqlens: [B + 1] int32.
+        cu_seqlens: [B + 1] int32, on the CPU or on the device.
         window_size: window length (128).
+        validate: check that the window rows cover the tokens' windows and that the selection is in range
+            (reads the device; the optimized layers turn it off under CUDA-graph capture).
 
     Returns:
         kv: [N, 512] bf16 — the pool.
@@ -276,13 +279,13 @@ def candidate_indices(
         start, end = bounds[b], bounds[b + 1]
         rows, first, entries = window_rows[b], window_first[b], compressed[b]
         window_pos = positions[start:end, None] + offsets[None, :]  # [T_b, window_size]
-        if end > start and (int(window_pos[:, -1].max()) >= first + rows.shape[0]
+        if validate and end > start and (int(window_pos[:, -1].max()) >= first + rows.shape[0]
                             or int(window_pos.clamp(min=0)[:, 0].min()) < first):
             raise ValueError(f"window_rows[{b}]: positions {first}..{first + rows.shape[0] - 1} do not cover the "
                              f"windows of the sequence's tokens")
         window_cols.append(torch.where(window_pos >= 0, base + window_pos - first, -1))
         sel = selection[start:end].long()
-        if sel.numel() and (int(sel.min()) < -1 or int(sel.max()) >= entries.shape[0]):
+        if validate and sel.numel() and (int(sel.min()) < -1 or int(sel.max()) >= entries.shape[0]):
             raise ValueError(f"selection: sequence {b} has {entries.shape[0]} entries, selects "
                              f"{int(sel.min())}..{int(sel.max())} (-1 = none)")
         compressed_cols.append(torch.where(sel >= 0, base + rows.shape[0] + sel, -1))
@@ -392,13 +395,15 @@ def check_continuation(positions: torch.Tensor, bounds: list[int], sequences: Se
 
 
 def check_tokens(
-    x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, dim: int
+    x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, dim: int, *, validate_positions: bool = True
 ) -> list[int]:
     """Validate a flattened batch; return the sequence bounds `cu_seqlens.tolist()`.
 
     Raises `TypeError`/`ValueError` naming the argument unless `x` is [T, dim] bf16, `positions` [T]
-    int64 on x's device, `cu_seqlens` [B + 1] int32 starting at 0, non-decreasing, ending at T, and
-    the positions of each sequence are consecutive and increasing.
+    int64 on x's device, `cu_seqlens` [B + 1] int32 (on the CPU, or on the device: then reading it waits
+    for the device) starting at 0, non-decreasing, ending at T, and the positions of each sequence are
+    consecutive and increasing (`validate_positions`: this check reads the device; the optimized layers
+    skip it under CUDA-graph capture).
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != dim:
         raise ValueError(f"x: expected [T, {dim}], got {list(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
@@ -416,7 +421,7 @@ def check_tokens(
             b > c for b, c in pairwise(bounds)):
         raise ValueError(f"cu_seqlens: expected [B + 1] non-decreasing offsets from 0 to T = {x.shape[0]}, "
                          f"got {bounds}")
-    if x.shape[0]:
+    if validate_positions and x.shape[0]:
         lengths = torch.tensor([c - b for b, c in pairwise(bounds)], device=x.device)
         sequence = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=x.device), lengths)
         same_sequence = sequence[1:] == sequence[:-1]

@@ -118,6 +118,7 @@ def paged_key_cache(keys: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
 
 def paged_mqa_logits(
     q_idx: torch.Tensor, keys: list[torch.Tensor], head_weights: torch.Tensor, context_lens: torch.Tensor,
+    max_visible: int,
 ) -> torch.Tensor:
     """Decode logits (`fp8_fp4_paged_mqa_logits`): B sequences with next_n new tokens each.
 
@@ -126,6 +127,8 @@ def paged_mqa_logits(
         keys: per sequence, [n_b, D] bf16.
         head_weights: [B * next_n, H] fp32.
         context_lens: [B, next_n] int32 — visible keys of each token (<= n_b).
+        max_visible: the largest of `context_lens`, known on the host (0: no token sees a key, nothing to score);
+            passed in so that the call never reads the device (CUDA-graph capture).
 
     Returns:
         [B * next_n, max_len] fp32 (columns past a token's context length are not meaningful).
@@ -136,7 +139,7 @@ def paged_mqa_logits(
     dg = deep_gemm()
     cache, table = paged_key_cache(keys)
     max_len = table.shape[1] * PAGE_KV
-    if int(context_lens.max()) == 0:
+    if max_visible == 0:
         return torch.empty((q_idx.shape[0], max_len), dtype=torch.float32, device=q_idx.device)
     q_fp8, weights = _quantize_queries(q_idx, head_weights)
     lens = context_lens.int().contiguous()

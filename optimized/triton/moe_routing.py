@@ -25,15 +25,16 @@ from optimized.backends import detect
 from optimized.triton._fp8 import prepare_interpreter
 from optimized.triton.aot import AotSpec
 
-# Logits GEMM tiles: 16 tokens (the smallest `tl.dot` M) below PREFILL_TOKENS, where the step streams the
-# gate weight and the hidden dim is split to reach ~2 programs per SM; 64 from there on, where the GEMM is
-# compute-bound and larger tiles re-read the gate weight (E x D bf16, 2-5.5 MB) fewer times from L2.
+# Logits GEMM tiles, the same at every token count, so that a token's logits do not depend on the batch it is in
+# (batch invariance, `parity_tests.invariance`: the H200 run of 2026-12-02 caught the earlier token-count-dependent
+# split changing routing weights by an ulp): 16 tokens per program (the smallest `tl.dot` M), and the hidden dim
+# split into LOGITS_SPLITS slices whose fp32 partial sums the top-k kernel adds in order. Decode streams the gate
+# weight (E x D bf16, 2-5.5 MB) with E/128 x 8 programs; at prefill the [8, T, E] fp32 partials (64 MB at T=8192
+# on FLASH) cost tens of microseconds next to a MoE step of milliseconds.
 LOGITS_BLOCK_T = 16
-LOGITS_PREFILL_BLOCK_T = 64
-PREFILL_TOKENS = 1024
+LOGITS_SPLITS = 8
 LOGITS_BLOCK_E = 128
 LOGITS_BLOCK_D = 128
-LOGITS_TARGET_PROGRAMS = 256
 LOGITS_WARPS, LOGITS_STAGES = 4, 2
 # Tokens per top-k program (each holds a [BLOCK_T, next_pow2(E)] fp32 tile).
 TOPK_BLOCK_T = 4
@@ -158,9 +159,8 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | Non
     Args:
         x: [T, D] bf16, contiguous rows.
         gate_weight: [E, D] bf16, contiguous rows; D a multiple of `LOGITS_BLOCK_D`.
-        n_split: hidden-dim slices (a divisor of D / LOGITS_BLOCK_D); None: the most slices that keep the
-            grid within LOGITS_TARGET_PROGRAMS programs on a GPU (decode: 64 on FLASH, 168 on PRO), 1 on the
-            CPU interpreter.
+        n_split: hidden-dim slices (a divisor of D / LOGITS_BLOCK_D); None: the largest divisor that is at most
+            LOGITS_SPLITS on a GPU (8 on FLASH and PRO), whatever the token count; 1 on the CPU interpreter.
 
     Returns:
         [n_split, T, E] fp32 partial sums over `D / n_split` hidden dims each (sum them in order).
@@ -169,17 +169,12 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | Non
     interpret = detect().interpret
     n_tokens, dim = x.shape
     n_experts = gate_weight.shape[0]
-    if interpret:
-        block_t = INTERPRET_BLOCK_T
-    else:
-        block_t = LOGITS_PREFILL_BLOCK_T if n_tokens >= PREFILL_TOKENS else LOGITS_BLOCK_T
+    block_t = INTERPRET_BLOCK_T if interpret else LOGITS_BLOCK_T
     t_blocks = triton.cdiv(n_tokens, block_t)
     e_blocks = triton.cdiv(n_experts, LOGITS_BLOCK_E)
     d_blocks = dim // LOGITS_BLOCK_D
-    if n_split is None:  # the most slices that keep the grid within LOGITS_TARGET_PROGRAMS
-        grid = t_blocks * e_blocks
-        fits = [s for s in range(1, d_blocks + 1) if d_blocks % s == 0 and grid * s <= LOGITS_TARGET_PROGRAMS]
-        n_split = 1 if interpret or not fits else fits[-1]
+    if n_split is None:
+        n_split = 1 if interpret else max(s for s in range(1, LOGITS_SPLITS + 1) if d_blocks % s == 0)
     elif d_blocks % n_split:
         raise ValueError(f"n_split: {n_split} does not divide the {d_blocks} hidden-dim blocks of {LOGITS_BLOCK_D}")
     out = torch.empty((n_split, n_tokens, n_experts), dtype=torch.float32, device=x.device)
@@ -237,7 +232,7 @@ AOT_SPECS = [
             num_warps=LOGITS_WARPS, num_stages=LOGITS_STAGES,
             aligned=("x_ptr", "w_ptr", "out_ptr", "stride_xt", "stride_we", "stride_os", "stride_ot"),
         )
-        for block_t, split in ((LOGITS_BLOCK_T, 32), (LOGITS_PREFILL_BLOCK_T, 1))
+        for block_t, split in ((LOGITS_BLOCK_T, LOGITS_SPLITS), (LOGITS_BLOCK_T, 1))
     ),
     *(
         AotSpec(
