@@ -20,6 +20,7 @@ import torch
 from benchmarks.roofline import Roofline
 from benchmarks.suite import BASELINE, Family, Result
 from benchmarks.targets import Verdict
+from parity_tests.report import git_commit
 
 SMOKE_BANNER = ("**CPU smoke run** (TINY shapes, Triton in the CPU interpreter): it proves the benchmark code "
                 "paths work. No figure here is a measurement; the numeric columns are left out.")
@@ -40,7 +41,7 @@ def environment(command: str) -> dict[str, Any]:
         "triton": hw.triton or "not installed",
         "deep_gemm": hw.deep_gemm or f"n/a ({hw.deep_gemm_error})",
         "python": platform.python_version(),
-        "commit": _run(["git", "rev-parse", "--short", "HEAD"]) or "n/a",
+        "commit": git_commit() or "n/a",
         "command": command,
     }
 

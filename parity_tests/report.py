@@ -208,7 +208,8 @@ def execute(task: Task) -> Result:
 # ------------------------------------------------------------------------------------------------
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """HEAD of this checkout, with "-dirty" when tracked files differ from it (None outside git)."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
@@ -238,7 +239,7 @@ def make_header(argv: list[str] | None = None) -> dict[str, Any]:
             "deep_gemm": hw.deep_gemm,
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "argv": list(sys.argv if argv is None else argv),
     }
 
