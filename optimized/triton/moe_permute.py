@@ -135,7 +135,9 @@ def _scatter_kernel(
     rank = tl.sum(earlier.to(tl.int32), axis=1)
     e = tl.where(ok, eid, 0)
     within = tl.load(chunk_base_ptr + pid * E_PAD + e, mask=ok, other=0) + rank
-    placed = ok & ((capacity == 0) | (within < capacity))
+    # capacity 0 = unlimited. A `where`, not `scalar | block`: Triton 3.9's interpreter makes a scalar bool combined
+    # with a block of bools an int32 array, which tl.store then rejects as a mask.
+    placed = tl.where(capacity == 0, ok, ok & (within < capacity))
     row = tl.load(expert_start_ptr + e, mask=ok, other=0) + within
     state = tl.where(placed, row, tl.where(ok, OVERFLOW, SKIPPED))
     tl.store(slot_row_ptr + slots, state, mask=in_range)
