@@ -30,11 +30,12 @@ fi
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   # The CPU build of torch: pip takes the 2.13.0 file that lies on this kind of machine; elsewhere set
   # TORCH_SPEC (e.g. "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu").
-  log "installing ${TORCH_SPEC:-torch==2.13.0} and the project's test dependencies"
+  log "installing ${TORCH_SPEC:-torch==2.13.0}, ${TRITON_SPEC:-triton==3.6.0} and the project's test dependencies"
   # shellcheck disable=SC2086
   "$PY" -m pip install -q ${TORCH_SPEC:-torch==2.13.0} >&2
-  # Triton pinned to the H200's version so the interpreter and the AOT compile check see its compiler.
-  "$PY" -m pip install -q -e ".[test,bench]" "triton==${TRITON_VERSION:-3.6.0}" >&2
+  # Triton pinned to the H200's version so the interpreter and the AOT compile check see its compiler;
+  # TRITON_SPEC=triton takes the newest release instead (the second CI step: we support triton >= 3.6).
+  "$PY" -m pip install -q -e ".[test,bench]" "${TRITON_SPEC:-triton==3.6.0}" >&2
   touch "$STAMP"
 fi
 echo "$PY"
