@@ -113,23 +113,16 @@ class Timer:
         """`fn` captured in a CUDA graph (on a side stream, after a warm call there), or None if it cannot be.
 
         A call that synchronizes with the host (a device read, such as DeepGEMM's contiguous-layout row count) is
-        found by one eager call under `torch.cuda.set_sync_debug_mode("error")`, value checks off as under
-        capture, and is never captured. Failed captures are what we avoid: in the H200 run of 2026-12-02, after
+        found by one eager call in sync-debug "error" mode (`optimized.backends.host_sync`) and is never
+        captured. Failed captures are what we avoid: in the H200 run of 2026-12-02, after
         the MoE family's failed captures, the process held 137 GB "reserved but unallocated" that empty_cache
         could not return, and every later point ran out of memory (a graph's private pool is released when its
         capture has ended; one that failed inside the capture apparently never is).
         """
-        from optimized.backends import value_checks
+        from optimized.backends import host_sync
 
-        previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with value_checks(False):  # input checks read the device by design and are skipped under capture
-                fn()
-        except RuntimeError:  # "called a synchronizing CUDA operation": time it eagerly
+        if host_sync(fn) is not None:  # time it eagerly
             return None
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -242,6 +242,24 @@ def value_checks(enabled: bool) -> Iterator[None]:
         _VALUE_CHECKS.reset(token)
 
 
+def host_sync(fn: Callable[[], object]) -> str | None:
+    """Run `fn` once eagerly with `torch.cuda.set_sync_debug_mode("error")`: the message of the synchronizing call
+    it made (a device read, which CUDA-graph capture forbids), or None. Value checks are off, as under capture.
+    Needs a CUDA device (sync-debug mode is a CUDA setting)."""
+    import torch
+
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with value_checks(False):
+            fn()
+    except RuntimeError as exc:  # "called a synchronizing CUDA operation"
+        return str(exc)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    return None
+
+
 def capability_rows() -> list[dict[str, str]]:
     """One row per op: for each backend `yes`/`no`/`-` (not implemented) plus notes."""
     rows = []

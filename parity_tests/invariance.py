@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from optimized.backends import BACKENDS, value_checks
+from optimized.backends import BACKENDS, host_sync
 from parity_tests.cases import Check, NotRun
 from parity_tests.probes import Probe, all_probes, as_tensors, bitwise_mismatches
 from parity_tests.report import Task, shape_matches
@@ -118,18 +118,10 @@ def check_cuda_graph(probe: Probe, backend: str, device: str) -> list[Check]:
     torch.cuda.synchronize()
 
     inputs = probe.inputs(backend, device, 0)
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        # The value checks (index ranges, token ids) read the device by design and are skipped under capture;
-        # what must not sync is the op itself.
-        with value_checks(False):
-            probe.call(inputs, backend)
-        syncs, sync_detail = 0, "no synchronizing call"
-    except RuntimeError as exc:
-        syncs, sync_detail = 1, f"host synchronization: {exc}"
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
+    # The value checks (index ranges, token ids) read the device by design and are skipped under capture;
+    # what must not sync is the op itself.
+    sync = host_sync(lambda: probe.call(inputs, backend))
+    syncs, sync_detail = (0, "no synchronizing call") if sync is None else (1, f"host synchronization: {sync}")
     checks = [Check("no_host_sync", BITWISE, syncs, sync_detail)]
     if syncs:
         return checks  # a call that reads the device back cannot be captured: capture not attempted

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimized.backends import backend_status
+from optimized.backends import backend_status, checking_values, host_sync
 from parity_tests import invariance, probes
 from parity_tests.cases import NotRun
 from parity_tests.probes import Probe
@@ -30,6 +30,16 @@ def test_decode_path_is_captured_and_replays_equal_to_eager(probe: Probe, backen
     failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
     assert not failed, failed
     assert {c.name for c in checks} >= {"no_host_sync", "graph_replay_equals_eager"}
+
+
+@pytest.mark.skipif(not GPU, reason="sync-debug mode needs a GPU")
+def test_host_sync_names_a_device_read_and_passes_a_pure_kernel() -> None:
+    x = torch.ones(4, device="cuda")
+    assert host_sync(lambda: x * 2) is None
+    assert host_sync(lambda: x.sum().item()) is not None
+    seen = []
+    host_sync(lambda: seen.append(checking_values(x)))
+    assert seen == [False] and checking_values(x)  # value checks off inside, as under capture; restored after
 
 
 def test_decode_paths_of_moe_and_attention_are_in_the_suite() -> None:
