@@ -25,6 +25,10 @@ for step in $STEPS; do
               --no-progress "$@" 2>&1 | tee "$OUT/parity.log"
             rc=$((rc | ${PIPESTATUS[0]})) ;;
     sweep)  timeout 150 python3 -m benchmarks.sweep_einsum --out "$OUT" 2>&1 | tail -60 | tee "$OUT/sweep.log" ;;
+    sweep_attention) timeout 220 python3 -m benchmarks.sweep_attention --out "$OUT" > "$OUT/sweep_attention.log" 2>&1
+            tail -8 "$OUT/sweep_attention.log" ;;
+    sweep_moe) timeout 180 python3 -m benchmarks.sweep_moe --out "$OUT" --workers 4 > "$OUT/sweep_moe.log" 2>&1
+            tail -8 "$OUT/sweep_moe.log" ;;
     bench)  python3 -m benchmarks --config FLASH,PRO --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
             rc=$((rc | ${PIPESTATUS[0]})) ;;
   esac

@@ -467,13 +467,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def warm_up(args: argparse.Namespace, deadline: float) -> None:
-    """Compile every job's kernels in `args.workers` processes (each runs its shard's jobs once, untimed)."""
-    n = max(1, args.workers)
+def warm_up(module: str, argv: list[str], workers: int, deadline: float) -> None:
+    """Compile every job's kernels in `workers` processes of `python -m module *argv --warm-shard i/n` (each runs
+    its shard's jobs once, untimed), so that the timing process finds them in the on-disk JIT caches."""
+    n = max(1, workers)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(Path(__file__).resolve().parents[1]),
                                                                       os.environ.get("PYTHONPATH"))))}
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.sweep_einsum", "--out", str(args.out),
-                               "--config", args.config, "--warm-shard", f"{i}/{n}"],
+    procs = [subprocess.Popen([sys.executable, "-m", module, *argv, "--warm-shard", f"{i}/{n}"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env) for i in range(n)]
     for proc in procs:
         try:
@@ -504,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
             run_job(job, inputs, timed=False)
         return 0
     if not args.smoke and args.workers > 0:
-        warm_up(args, started + WARMUP_SHARE * args.budget_s)
+        warm_up("benchmarks.sweep_einsum", ["--out", str(args.out), "--config", args.config], args.workers,
+                started + WARMUP_SHARE * args.budget_s)
     rows = []
     # host overhead first (quick), then the largest token counts: what the budget cuts is the least important
     for job in sorted(jobs, key=lambda j: (j.kind != "host", -j.tokens, j.kind)):

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from optimized.triton._fp8 import prepare_interpreter
-from optimized.triton.aot import AotSpec
+from optimized.triton.aot import ALL_TARGETS, PLATFORM_TARGETS, AotSpec, tile_platform
 from optimized.triton.quant import cdiv, check_fp8_support
 from reference.einsum import SCALE_BLOCK, check_fp8_einsum_args
 from reference.formats import fp8_format
@@ -63,17 +63,24 @@ class EinsumConfig:
     block_k: int = 128
 
 
-# The tile table of `choose_config`: (largest b, tiles) rows, first match wins. `python -m benchmarks.sweep_einsum`
-# times the alternatives on the GPU and prints this table with its winners. Every row's shared memory stays
-# within gfx942's 64 KB LDS and no row spills (checked by the AOT compile; sm_90 registers from 80 per thread
-# at BLOCK_M = 16 to ~230 at 128 x 128: two fp32 accumulators).
-TILE_TABLE: tuple[tuple[int, EinsumConfig], ...] = (
+# The tile tables of `choose_config`, by platform (`tile_platform()`): (largest b, tiles) rows, first match wins.
+# `python -m benchmarks.sweep_einsum` times the alternatives on the GPU and prints the winners. No row spills
+# (the AOT compile; sm_90 registers from 80 per thread at BLOCK_M = 16 to ~230 at 128 x 128: two fp32
+# accumulators). NVIDIA rows from the H200 sweep of 2026-12-03 (docs/h200/sweep-einsum.json): b = 128 with
+# 2 K slices 23.3 us against 25.0 full-K; b = 4096 at 128 x 64 tiles with 4 stages 383 us against 542 at
+# 128 x 128 with 3. Those 4 stages take 72 KB of shared memory, over gfx942's 64 KB LDS: AMD keeps 128 x 128
+# with 3 stages for prefill (not measured: no ROCm GPU here).
+_DECODE_ROWS: tuple[tuple[int, EinsumConfig], ...] = (
     (16, EinsumConfig(16, 64, 1, 4, 4)),  # decode: smallest dot tile, weight streaming
     (32, EinsumConfig(32, 64, 1, 4, 4)),
     (64, EinsumConfig(64, 64, 1, 4, 3)),
-    (256, EinsumConfig(128, 64, 1, 8, 3)),  # one wave of h * d / 64 programs (128 on FLASH)
-    (1 << 62, EinsumConfig(128, 128, 1, 8, 3)),  # compute-bound: large tiles, A reuse
+    (128, EinsumConfig(128, 64, 2, 8, 3)),  # one wave of h * d / 64 programs (128 on FLASH), K in 2 slices
+    (256, EinsumConfig(128, 64, 1, 8, 3)),
 )
+TILE_TABLE: dict[str, tuple[tuple[int, EinsumConfig], ...]] = {
+    "nvidia": (*_DECODE_ROWS, (1 << 62, EinsumConfig(128, 64, 1, 8, 4))),  # compute-bound: deeper pipeline
+    "amd": (*_DECODE_ROWS, (1 << 62, EinsumConfig(128, 128, 1, 8, 3))),  # compute-bound: large tiles, A reuse
+}
 
 
 @functools.cache
@@ -89,8 +96,8 @@ def num_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def choose_config(b: int, h: int, d: int, k_blocks: int, sms: int) -> EinsumConfig:
-    """The tile table `TILE_TABLE` (by token count b) and the split-K rule (cached: a pure function of sizes).
+def choose_config(b: int, h: int, d: int, k_blocks: int, sms: int, platform: str = "nvidia") -> EinsumConfig:
+    """The platform's `TILE_TABLE` (by token count b) and the split-K rule (cached: a pure function of sizes).
 
     Split-K (b <= MAX_SPLIT_K_TOKENS only, and only where the table row says split_k = 1): when the full-K
     grid has fewer than PROGRAMS_PER_SM * sms programs, K is cut into enough equal slices to reach that (the
@@ -98,7 +105,7 @@ def choose_config(b: int, h: int, d: int, k_blocks: int, sms: int) -> EinsumConf
     per slice). FLASH b = 1: 128 tiles -> 4 slices of 8 K blocks -> 512 programs. A row with split_k > 1 sets
     the split itself (capped to a divisor of the K blocks).
     """
-    config = next(row for bound, row in TILE_TABLE if b <= bound)
+    config = next(row for bound, row in TILE_TABLE[platform] if b <= bound)
     divisors = [s for s in range(1, k_blocks // MIN_K_BLOCKS_PER_SPLIT + 1) if k_blocks % s == 0] or [1]
     if config.split_k > 1:
         split = max(s for s in divisors if s <= config.split_k)
@@ -221,7 +228,7 @@ def block_scaled_matmul(
         return out.zero_()
     k_blocks = k // SCALE_BLOCK
     if config is None:
-        config = choose_config(m, h, n, k_blocks, num_sms(a.device))
+        config = choose_config(m, h, n, k_blocks, num_sms(a.device), tile_platform())
     splits = config.split_k
     if splits < 1 or k_blocks % splits:
         raise ValueError(f"config: split_k = {splits} must divide the {k_blocks} 128-wide K blocks")
@@ -317,7 +324,7 @@ _ALIGNED_ARGS = ("a_ptr", "sa_ptr", "b_ptr", "sb_ptr", "c_ptr", "N", "stride_am"
                  "stride_cs", "stride_cm", "stride_ch")
 
 
-def _einsum_spec(config: EinsumConfig, out: str) -> AotSpec:
+def _einsum_spec(config: EinsumConfig, out: str, targets: tuple[str, ...] = ALL_TARGETS) -> AotSpec:
     ints = ("M", "N", "SCALE_BLOCKS_PER_SPLIT", "stride_am", "stride_ah", "stride_sam", "stride_sah", "stride_sak",
             "stride_bh", "stride_bn", "stride_sbh", "stride_sbn", "stride_sbk",
             "stride_cs", "stride_cm", "stride_ch", "stride_cn")
@@ -331,15 +338,17 @@ def _einsum_spec(config: EinsumConfig, out: str) -> AotSpec:
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         aligned=_ALIGNED_ARGS,
+        targets=targets,
     )
 
 
 # The launch configurations of `choose_config` at the DSv4 shape (r = 4096): decode split-K at the three
-# decode tiles (fp32 workspace), b = 128 and prefill full-K (bf16 out), and the split-K reduction.
+# decode tiles (fp32 workspace) and b = 128 (two K slices), on every target; prefill full-K (bf16 out) with each
+# platform's tiles on its targets; the split-K reduction.
 AOT_SPECS = [
-    *(_einsum_spec(choose_config(b, 8, 1024, 32, DEFAULT_NUM_SMS), "fp32") for b in (1, 32, 64)),
-    _einsum_spec(choose_config(128, 8, 1024, 32, DEFAULT_NUM_SMS), "bf16"),
-    _einsum_spec(choose_config(4096, 8, 1024, 32, DEFAULT_NUM_SMS), "bf16"),
+    *(_einsum_spec(choose_config(b, 8, 1024, 32, DEFAULT_NUM_SMS), "fp32") for b in (1, 32, 64, 128)),
+    *(_einsum_spec(choose_config(4096, 8, 1024, 32, DEFAULT_NUM_SMS, platform), "bf16", targets)
+      for platform, targets in PLATFORM_TARGETS.items()),
     AotSpec(
         name="split_k_reduce",
         kernel=_split_k_reduce_kernel,

@@ -45,7 +45,7 @@ from optimized.triton._fp8 import (
     round_to_fp8_grid,
     ue8m0_scale,
 )
-from optimized.triton.aot import AotSpec
+from optimized.triton.aot import ALL_TARGETS, PLATFORM_TARGETS, AotSpec
 from optimized.triton.moe_permute import MoeLayout
 from reference.formats import ACT_EPS, FP8Format, fp8_format
 from reference.weights import FP8_WEIGHT_BLOCK
@@ -66,26 +66,32 @@ class GemmConfig:
     num_stages: int
 
 
-def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: bool = False) -> GemmConfig:
+def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: bool = False,
+                  platform: str = "nvidia") -> GemmConfig:
     """Tiles by the mean number of rows an active expert gets (BLOCK_M is the same for both GEMMs of a call).
 
     | rows / expert | GEMM    | BLOCK_M | BLOCK_N | warps | stages | why                                   |
     |---------------|---------|---------|---------|-------|--------|---------------------------------------|
-    | <= 16         | gate/up | 16      | 128     | 4     | 2      | decode: smallest dot tile; the weight |
+    | <= 16         | gate/up | 16      | 128     | 8 (4) | 4 (2)  | decode: smallest dot tile; the weight |
     |               | down    | 16      | 64      | 4     | 3      | stream is the cost                    |
     | > 16          | both    | 64      | 128     | 8     | 2      | compute-bound; 64 rows pad less per   |
     |               |         |         |         |       |        | expert than 128 (E x 32 rows on avg.) |
 
     The gate/up GEMM keeps BLOCK_N = 128: its epilogue quantizes whole 128-wide blocks, and it holds two
-    accumulators (gate and up), which is why its tiles stop at 64 x 128 per 8 warps. Every config compiles
-    without spills within gfx942's 64 KB of LDS and sm_90's registers (the AOT check). On the CPU
+    accumulators (gate and up), which is why its tiles stop at 64 x 128 per 8 warps. Decode gate/up on NVIDIA:
+    8 warps and 4 stages keep more of the weight stream in flight (H200 sweep, `python -m benchmarks.sweep_moe`,
+    docs/h200/sweep-moe.json: FLASH T = 1 34 us against 57 with 4 warps and 2 stages); those 4 stages take
+    104 KB of shared memory, over gfx942's 64 KB LDS, so AMD keeps the bracketed 4 warps and 2 stages. Every
+    config compiles without spills within its targets' LDS and registers (the AOT check). On the CPU
     interpreter, where each program costs the same few hundred numpy calls whatever its size, the tiles
     are as large as the shape allows: the arithmetic is the same, with fewer programs.
     """
     if interpret:
         return GemmConfig(64 if rows_per_expert <= 64 else 128, min(n_out, 256), 4, 1)
     if rows_per_expert <= 16:
-        return GemmConfig(16, 128, 4, 2) if swiglu else GemmConfig(16, 64, 4, 3)
+        if not swiglu:
+            return GemmConfig(16, 64, 4, 3)
+        return GemmConfig(16, 128, 8, 4) if platform == "nvidia" else GemmConfig(16, 128, 4, 2)
     return GemmConfig(64, 128, 8, 2)
 
 
@@ -353,7 +359,7 @@ def _gemm_signature(a: str) -> dict[str, str]:
 
 
 def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, grouped: bool,
-              act_block: int = 128) -> AotSpec:
+              act_block: int = 128, targets: tuple[str, ...] = ALL_TARGETS) -> AotSpec:
     signature = _gemm_signature("*{fp8}")
     if not swiglu:
         signature["out_ptr"] = "*bf16"
@@ -365,16 +371,18 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
         {"K": k, "N": n, "TOPK": 6 if grouped else 1, "GROUPED": grouped, "GATHER": grouped and swiglu,
          "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "OUT_FP8": swiglu, "GATE_UP_BF16": True,
          "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n},
-        fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned,
+        fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned, targets=targets,
     )
 
 
 # FLASH shapes (D 4096, I 2048): decode and prefill tiles of both GEMMs, routed and shared.
 AOT_SPECS = [
     *(
-        _aot_gemm(f"moe_gate_up[rows/expert={r}]", choose_config(r, 2048, True), 4096, 2048, True, True)
-        for r in (1, 128)
+        _aot_gemm(f"moe_gate_up[rows/expert=1,{platform}]", choose_config(1, 2048, True, platform=platform), 4096,
+                  2048, True, True, targets=targets)
+        for platform, targets in PLATFORM_TARGETS.items()
     ),
+    _aot_gemm("moe_gate_up[rows/expert=128]", choose_config(128, 2048, True), 4096, 2048, True, True),
     *(
         _aot_gemm(f"moe_down[rows/expert={r}]", choose_config(r, 4096, False), 2048, 4096, False, True)
         for r in (1, 128)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from optimized.backends import detect
+from optimized.triton.aot import tile_platform
 from optimized.triton.moe_gemm import choose_config, grouped_gemm
 from optimized.triton.moe_permute import MoeLayout, combine, permute
 from optimized.triton.moe_routing import router_logits, router_topk
@@ -71,9 +72,10 @@ def routed_rows(
     n_experts = w13.data.shape[0]
     n_slots = n_tokens * topk
     rows_per_expert = n_slots / max(min(n_experts, n_slots), 1)
-    interpret = detect().interpret
-    gate_up = choose_config(rows_per_expert, w13.data.shape[1] // 2, swiglu=True, interpret=interpret)
-    down = choose_config(rows_per_expert, w2.data.shape[1], swiglu=False, interpret=interpret)
+    interpret, platform = detect().interpret, tile_platform()
+    gate_up = choose_config(rows_per_expert, w13.data.shape[1] // 2, swiglu=True, interpret=interpret,
+                            platform=platform)
+    down = choose_config(rows_per_expert, w2.data.shape[1], swiglu=False, interpret=interpret, platform=platform)
     layout = permute(topk_ids, n_experts, align=gate_up.block_m)
     common = {"layout": layout, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
     h, h_scale = grouped_gemm(a, a_scale, w13.data, w13.scale, config=gate_up, swiglu=True, topk=topk, gather=True,
@@ -91,9 +93,9 @@ def shared_rows(
     n_tokens = a.shape[0]
     limit = clamp_limit(swiglu_limit if numerics.shared_expert_clamp else 0.0)
     common = {"layout": None, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
-    interpret = detect().interpret
-    gate_up = choose_config(n_tokens, w13.data.shape[0] // 2, swiglu=True, interpret=interpret)
-    down = choose_config(n_tokens, w2.data.shape[0], swiglu=False, interpret=interpret)
+    interpret, platform = detect().interpret, tile_platform()
+    gate_up = choose_config(n_tokens, w13.data.shape[0] // 2, swiglu=True, interpret=interpret, platform=platform)
+    down = choose_config(n_tokens, w2.data.shape[0], swiglu=False, interpret=interpret, platform=platform)
     h, h_scale = grouped_gemm(a, a_scale, w13.data[None], w13.scale[None], config=gate_up, swiglu=True, limit=limit,
                               gate_up_bf16=numerics.gate_up_bf16, **common)
     y, _ = grouped_gemm(h, h_scale, w2.data[None], w2.scale[None], config=down, swiglu=False, **common)

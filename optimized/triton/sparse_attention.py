@@ -31,7 +31,7 @@ import triton.language as tl
 
 from optimized.backends import detect
 from optimized.triton._fp8 import prepare_interpreter
-from optimized.triton.aot import AotSpec
+from optimized.triton.aot import ALL_TARGETS, PLATFORM_TARGETS, AotSpec, tile_platform
 
 HEAD_DIM = 512
 NOPE_DIM = 448
@@ -58,19 +58,30 @@ class LaunchConfig:
     num_stages: int
 
 
-# 64 heads fill a Hopper warpgroup MMA (M = 64) and share each gathered tile; 16 rows per step keep the fp32
-# [64, 512] accumulator, the bf16 tile and (packed rows) its dequantization in registers without spills on
-# sm_90, gfx942 and gfx950 alike (`python -m optimized.triton.aot`). Tuning knob for the H200: BLOCK_N = 32
-# with bf16 rows also compiles spill-free on sm_90 (231 registers) but spills on gfx942/gfx950.
-CONFIG = LaunchConfig(block_h=64, block_n=16, num_warps=8, num_stages=2)
+# Tiles (any tiling computes the same function). 64 heads per program fill a Hopper warpgroup MMA (M = 64) and
+# share each gathered tile; 16 heads (tl.dot's smallest M) when the tokens are too few to fill the SMs.
+# NVIDIA: the fastest spill-free tiles of the H200 sweep (`python -m benchmarks.sweep_attention`, results in
+# docs/h200/sweep-attention.json): 64 rows per step instead of 16 took FLASH prefill of 8192 tokens from 6.09 to
+# 3.29 ms and decode of batch 64 over the FP8 cache from 258 to 55 us. With packed rows 2 stages spill on sm_90,
+# 3 do not. On gfx942 / gfx950 the 64 x 64 tiles spill (the fp32 [64, 512] accumulator and a [64, 512] bf16
+# tile exceed 256 VGPRs), so 64 heads keep 16 rows per step there (not measured: no ROCm GPU here). The 16-head
+# tile is spill-free on all three targets (`python -m optimized.triton.aot`).
+WIDE = {  # 64 heads per program: by platform (`tile_platform()`), then by packed rows or not
+    "nvidia": {False: LaunchConfig(64, 64, 8, 2), True: LaunchConfig(64, 64, 8, 3)},
+    "amd": {False: LaunchConfig(64, 16, 8, 2), True: LaunchConfig(64, 16, 8, 2)},
+}
+NARROW = LaunchConfig(16, 64, 8, 1)
 # The CPU interpreter pays per operation, not per element: fewer, wider steps (same function; the online
 # softmax then rescales at other places, within the same bf16-P tolerance).
 INTERPRETER_BLOCK_N = 128
 BLOCK_H_MIN = 16
-# Decode has few tokens. First the heads of a token are spread over more programs (each reads the token's rows,
-# the repeats hit L2), BLOCK_H_MIN heads each; if there are still fewer programs than SMs, the candidates are
-# split (split-KV: every split writes a [heads, 512] fp32 partial, so it only pays when SMs would idle), each
-# split keeping at least MIN_ROWS_PER_SPLIT candidates.
+# Decode has few tokens. When the 64-head programs would fill less than 1 / NARROW_BELOW of the SMs, the heads of
+# a token are spread over 4x more programs (each reads the token's rows, the repeats hit L2), NARROW's 16 heads
+# each; if there are still fewer programs than SMs, the candidates are split over floor(SMs / programs) programs
+# (split-KV: every split writes a [heads, 512] fp32 partial), each split keeping at least MIN_ROWS_PER_SPLIT
+# candidates. The H200 sweep's best per decode batch follows this rule: FLASH batch 64 -> 64 heads, 2 splits;
+# batch 128 -> 64 heads, none; batch 8 -> 16 heads, 4 splits; batch 1 -> 16 heads, 5 splits.
+NARROW_BELOW = 4
 MIN_ROWS_PER_SPLIT = 128
 MAX_SPLITS = 32
 MERGE_BLOCK_H = 16
@@ -231,23 +242,23 @@ def _sm_count() -> int | None:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-def plan(n_tokens: int, n_heads: int, n_candidates: int) -> tuple[int, int]:
-    """(heads per program, candidate splits) for a launch: 64 heads per program (16 at least, for tl.dot,
-    fewer heads are padded); 16 when the programs would not fill the SMs, then split-KV if they still do not."""
-    heads = max(BLOCK_H_MIN, min(CONFIG.block_h, triton.next_power_of_2(n_heads)))
+def plan(n_tokens: int, n_heads: int, n_candidates: int, packed: bool, platform: str | None = None
+         ) -> tuple[LaunchConfig, int]:
+    """(tiles, candidate splits) of a launch, by the rule above (`platform`: `tile_platform()` when None)."""
+    config = WIDE[platform or tile_platform()][packed]
     n_sms = _sm_count()
     if n_sms is None:
-        return heads, 1
-    if n_tokens * triton.cdiv(n_heads, heads) < n_sms:
-        heads = BLOCK_H_MIN  # (32 heads per program spills registers on sm_90 with packed rows)
-    programs = n_tokens * triton.cdiv(n_heads, heads)
-    splits = max(1, min(triton.cdiv(n_sms, programs), n_candidates // MIN_ROWS_PER_SPLIT, MAX_SPLITS))
-    return heads, splits
+        return config, 1
+    if n_tokens * triton.cdiv(n_heads, config.block_h) * NARROW_BELOW < n_sms:
+        config = NARROW
+    programs = n_tokens * triton.cdiv(n_heads, config.block_h)
+    splits = max(1, min(n_sms // programs, n_candidates // MIN_ROWS_PER_SPLIT, MAX_SPLITS))
+    return config, splits
 
 
 def sparse_attention(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float,
-    *, splits: int | None = None,
+    *, splits: int | None = None, config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Triton sparse attention with sink over bf16 rows (inputs validated by `optimized.attention`).
 
@@ -258,25 +269,26 @@ def sparse_attention(
         sink: [H] fp32.
         scale: logit scale (512^-0.5).
         splits: split-KV factor; None = `plan`'s.
+        config: override the tiles (sweeps and tests); None = `plan`'s.
 
     Returns:
         [T, H, 512] bf16.
     """
-    return _launch(q, (kv, kv, kv), indices, sink, scale, packed=False, splits=splits)
+    return _launch(q, (kv, kv, kv), indices, sink, scale, packed=False, splits=splits, config=config)
 
 
 def sparse_attention_packed(
     q: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float,
-    *, fp8_dtype: torch.dtype, splits: int | None = None,
+    *, fp8_dtype: torch.dtype, splits: int | None = None, config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """As `sparse_attention`, over [N, 584] uint8 packed cache rows (contiguous) whose NoPE bytes are `fp8_dtype`."""
     views = (packed.view(fp8_dtype), packed.view(torch.bfloat16), packed)
-    return _launch(q, views, indices, sink, scale, packed=True, splits=splits)
+    return _launch(q, views, indices, sink, scale, packed=True, splits=splits, config=config)
 
 
 def _launch(
     q: torch.Tensor, kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], indices: torch.Tensor,
-    sink: torch.Tensor, scale: float, *, packed: bool, splits: int | None,
+    sink: torch.Tensor, scale: float, *, packed: bool, splits: int | None, config: LaunchConfig | None,
 ) -> torch.Tensor:
     prepare_interpreter()
     n_tokens, n_heads, _ = q.shape
@@ -284,10 +296,12 @@ def _launch(
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     if n_tokens == 0:
         return out
-    heads_per_program, planned_splits = plan(n_tokens, n_heads, n_candidates)
-    n_head_blocks = triton.cdiv(n_heads, heads_per_program)
+    planned, planned_splits = plan(n_tokens, n_heads, n_candidates, packed)
+    launch = config or planned
     splits = planned_splits if splits is None else splits
-    block_n = INTERPRETER_BLOCK_N if detect().interpret else CONFIG.block_n
+    heads_per_program = max(BLOCK_H_MIN, min(launch.block_h, triton.next_power_of_2(n_heads)))
+    n_head_blocks = triton.cdiv(n_heads, heads_per_program)
+    block_n = INTERPRETER_BLOCK_N if detect().interpret and config is None else launch.block_n
     # candidates per split: whole BLOCK_N tiles; then drop splits that would be empty
     rows_per_split = triton.cdiv(triton.cdiv(max(n_candidates, 1), max(splits, 1)), block_n) * block_n
     splits = triton.cdiv(max(n_candidates, 1), rows_per_split)
@@ -302,7 +316,7 @@ def _launch(
         n_tokens, n_heads, n_candidates, rows_per_split, float(scale),
         q.stride(0), q.stride(1), kv_main.stride(0), indices.stride(0), out.stride(0), out.stride(1),
         **_attention_constexprs(packed, splits > 1, heads_per_program, block_n),
-        num_warps=CONFIG.num_warps, num_stages=CONFIG.num_stages,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(n_tokens, triton.cdiv(n_heads, MERGE_BLOCK_H))](
@@ -323,8 +337,7 @@ def _attention_signature(fp8: bool) -> dict[str, str]:
     }
 
 
-def _attention_constexprs(packed: bool, split: bool, heads_per_program: int, block_n: int = CONFIG.block_n
-                          ) -> dict[str, int | bool]:
+def _attention_constexprs(packed: bool, split: bool, heads_per_program: int, block_n: int) -> dict[str, int | bool]:
     return {"PACKED": packed, "SPLIT": split, "BLOCK_H": heads_per_program, "BLOCK_N": block_n,
             "HEAD_DIM": HEAD_DIM, "NOPE_DIM": NOPE_DIM, "CHUNK": KV_SCALE_BLOCK, "ROW_BYTES": PACKED_ROW_BYTES,
             "ROPE_OFFSET": PACKED_ROPE_OFFSET, "SCALE_OFFSET": PACKED_SCALE_OFFSET}
@@ -334,16 +347,22 @@ _ALIGNED = ("q_ptr", "kv_ptr", "kv_rope_ptr", "kv_scale_ptr", "idx_ptr", "sink_p
             "part_ml_ptr", "T", "H", "K", "rows_per_split", "stride_qt", "stride_qh", "stride_kv", "stride_it",
             "stride_ot", "stride_oh")
 
-# FLASH / PRO launches (`plan` on 132 SMs): bf16 rows with 64 heads (prefill); packed rows with 64 heads (decode
-# of >= 132 tokens at FLASH, >= 66 at PRO), 16 heads (decode batch 64) and 16 heads with split-KV (decode of few
-# tokens); the merge.
+
+
+def _attention_spec(config: LaunchConfig, packed: bool, split: bool, targets: tuple[str, ...]) -> AotSpec:
+    return AotSpec(f"sparse_attention[{'packed' if packed else 'bf16'},BLOCK_H={config.block_h},"
+                   f"BLOCK_N={config.block_n},split={split}]",
+                   _sparse_attention_kernel, _attention_signature(packed),
+                   _attention_constexprs(packed, split, config.block_h, config.block_n),
+                   num_warps=config.num_warps, num_stages=config.num_stages, aligned=_ALIGNED, targets=targets)
+
+
+# Every launch `plan` makes, bf16 or packed rows, with and without split-KV: the 64-head tiles on their
+# platform's targets (prefill; decode of >= 33 tokens at FLASH, split below 132), the 16-head tile on all three.
 AOT_SPECS = [
-    AotSpec(f"sparse_attention[{'packed' if packed else 'bf16'},BLOCK_H={heads},split={split}]",
-            _sparse_attention_kernel, _attention_signature(packed), _attention_constexprs(packed, split, heads),
-            num_warps=CONFIG.num_warps, num_stages=CONFIG.num_stages, aligned=_ALIGNED)
-    for packed, heads, split in ((False, 64, False), (True, 64, False), (True, BLOCK_H_MIN, False),
-                                 (True, BLOCK_H_MIN, True))
-] + [
+    *(_attention_spec(WIDE[platform][packed], packed, split, targets)
+      for platform, targets in PLATFORM_TARGETS.items() for packed in (False, True) for split in (False, True)),
+    *(_attention_spec(NARROW, packed, split, ALL_TARGETS) for packed in (False, True) for split in (False, True)),
     AotSpec("sparse_attention_merge", _merge_splits_kernel,
             {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
              "T": "i32", "H": "i32", "n_splits": "i32", "stride_ot": "i32", "stride_oh": "i32"},

@@ -1,0 +1,230 @@
+"""Sweep of the Triton grouped-GEMM launch configurations at decode token counts (issue #3's weight-streaming target).
+
+    python -m benchmarks.sweep_moe --out DIR            # GPU: FLASH
+    python -m benchmarks.sweep_moe --out DIR --smoke    # CPU (TRITON_INTERPRET=1): TINY, proves the code paths
+
+At T in {1, 8, 64} (rows per active expert <= 16: `moe_gemm.choose_config`'s decode row) times the two
+`moe_gemm.grouped_gemm` launches of the routed experts, gate/up (gather, SwiGLU, routing weight, FP8 epilogue)
+and down, with every candidate `GemmConfig` (BLOCK_N, warps, stages; BLOCK_M stays 16, the permute alignment),
+plus the whole Triton `experts` call with the defaults. Writes `DIR/sweep_moe.json` and prints a table.
+
+Timing is `benchmarks.sweep_einsum.time_graph`. The calls rotate over `ROTATIONS` routings that pick other
+experts, so the expert weights a call reads stream from HBM (T = 1 reads 6 experts, ~150 MB at FLASH) as they do
+in a model. Each candidate's output is checked against the default config's under `MOE_SIMULATED` (down) or
+against its dequantized values (gate/up: FP8 output, the same bound); a candidate that fails is never chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.sweep_einsum import WARMUP_SHARE, time_graph, warm_up
+
+TOKENS = (1, 8, 64)
+SMOKE_TOKENS = (2,)
+ROTATIONS = 8
+DEFAULT_BUDGET_S = 120.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One launch to time: `gemm` is "gate_up", "down" or "experts" (the whole call, defaults)."""
+
+    gemm: str
+    tokens: int
+    config: Any = None
+
+    @property
+    def label(self) -> str:
+        c = self.config
+        return "default" if c is None else f"n={c.block_n},w={c.num_warps},s={c.num_stages}"
+
+
+def all_jobs(smoke: bool) -> list[Job]:
+    from optimized.triton.moe_gemm import GemmConfig as C
+
+    gate_up = [C(16, 128, w, st) for w in (4, 8) for st in (2, 3, 4, 5, 6)]
+    down = [C(16, n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4, 5)]
+    if smoke:
+        gate_up, down = gate_up[:1], down[:1]
+    jobs = []
+    for t in SMOKE_TOKENS if smoke else TOKENS:
+        jobs += [Job("experts", t), Job("gate_up", t)] + [Job("gate_up", t, c) for c in gate_up]
+        jobs += [Job("down", t)] + [Job("down", t, c) for c in down]
+    return jobs
+
+
+class Inputs:
+    """FLASH (TINY) FP8 experts and, per token count, `ROTATIONS` routings with their layouts and gate/up outputs."""
+
+    def __init__(self, config: str, device: str) -> None:
+        from reference.config import get_config
+        from reference.moe import random_moe_weights
+        from reference.numerics import OFFICIAL
+
+        self.cfg = get_config(config)
+        self.device = device
+        self.numerics = OFFICIAL
+        self.weights = random_moe_weights(self.cfg, 0, expert_format="fp8", fmt="e4m3fn",
+                                          generator=torch.Generator(device=device).manual_seed(11), device=device)
+        self._held: tuple[int, list[dict[str, Any]]] | None = None
+
+    def get(self, tokens: int) -> list[dict[str, Any]]:
+        if self._held is None or self._held[0] != tokens:
+            from optimized.triton.moe_pipeline import activation
+
+            self._held = None
+            cfg, g = self.cfg, torch.Generator(device=self.device).manual_seed(tokens)
+            sets = []
+            for _ in range(ROTATIONS):
+                x = torch.randn(tokens, cfg.dim, generator=g, device=self.device).to(torch.bfloat16)
+                ids = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g, device=self.device)
+                                   [:cfg.n_activated_experts] for _ in range(tokens)]).to(torch.int32)
+                weights = torch.rand(tokens, cfg.n_activated_experts, generator=g, device=self.device)
+                a, a_scale = activation(x, self.numerics)
+                sets.append({"x": x, "ids": ids, "weights": weights, "a": a, "a_scale": a_scale})
+            self._held = (tokens, sets)
+        return self._held[1]
+
+
+def _gemm(job: Job, s: dict[str, Any], inputs: Inputs, config: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from optimized.triton.moe_gemm import choose_config, grouped_gemm
+    from optimized.triton.moe_permute import permute
+
+    w13, w2, fmt = inputs.weights.w13, inputs.weights.w2, inputs.numerics.fp8_format
+    if "layout" not in s:
+        s["layout"] = permute(s["ids"], w13.data.shape[0], align=16)
+    common = {"layout": s["layout"], "numerics_fmt": fmt, "act_block": inputs.numerics.act_block}
+    if job.gemm == "gate_up":
+        return grouped_gemm(s["a"], s["a_scale"], w13.data, w13.scale, config=config, swiglu=True,
+                            topk=s["ids"].shape[1], gather=True, topk_weights=s["weights"].reshape(-1),
+                            limit=inputs.cfg.swiglu_limit, **common)
+    if "h" not in s:
+        s["h"] = _gemm(dataclasses.replace(job, gemm="gate_up"), s, inputs, choose_config(1.0, 0, swiglu=True))
+    return grouped_gemm(*s["h"], w2.data, w2.scale, config=config, swiglu=False, **common)
+
+
+def run_job(job: Job, inputs: Inputs, timed: bool, expected: torch.Tensor | None) -> tuple[dict[str, Any], Any]:
+    """Run, check against `expected` (the default's output) and, when `timed`, time one job; never raises."""
+    from optimized.triton.moe_gemm import choose_config
+    from optimized.triton.moe_pipeline import experts
+    from parity_tests.metrics import calc_diff
+    from parity_tests.tolerances import MOE_SIMULATED
+
+    row: dict[str, Any] = {"gemm": job.gemm, "tokens": job.tokens, "config": job.label}
+    out = None
+    try:
+        sets = inputs.get(job.tokens)
+        w = inputs.weights
+        config = job.config or choose_config(1.0, 0, swiglu=job.gemm == "gate_up")
+
+        def call(i: int) -> Any:
+            s = sets[i % len(sets)]
+            if job.gemm == "experts":
+                return experts(s["x"], s["ids"], s["weights"], w.w13, w.w2, swiglu_limit=inputs.cfg.swiglu_limit,
+                               numerics=inputs.numerics)
+            return _gemm(job, s, inputs, config)
+
+        result = call(0)
+        if job.gemm == "experts":
+            out = result.float()
+        else:  # the rows that hold a slot (padding rows are never written)
+            data, scale = result
+            out = data.float() if scale is None else data.float() * scale.repeat_interleave(
+                inputs.numerics.act_block, 1)
+            out = out[sets[0]["layout"].sorted_slot >= 0]
+        if expected is not None:
+            row["calc_diff"] = calc_diff(out, expected)
+            row["ok"] = row["calc_diff"] <= MOE_SIMULATED.value
+        else:
+            row["ok"] = True
+        if timed and row["ok"]:
+            for i in range(len(sets)):  # layouts and gate/up inputs built before capture
+                call(i)
+            seconds, row["timing"] = time_graph(call)
+            row["us"] = round(seconds * 1e6, 2)
+            per_expert = {"gate_up": w.w13.data[0].numel(), "down": w.w2.data[0].numel(),
+                          "experts": w.w13.data[0].numel() + w.w2.data[0].numel()}[job.gemm]
+            active = int(torch.unique(sets[0]["ids"]).numel())
+            row["weight_gbs"] = round(active * per_expert * (1 + 4 / 128**2) / seconds / 1e9, 1)
+            row["experts_per_call"] = active
+    except Exception as exc:  # a config that does not compile or run is a result, not a crash
+        row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+    return row, out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_moe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for sweep_moe.json")
+    p.add_argument("--config", default="FLASH", help="model config (default FLASH)")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="wall-clock budget, warm-up included")
+    p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel JIT warm-up processes")
+    p.add_argument("--smoke", action="store_true", help="CPU: TINY shapes, one config per GEMM, nothing timed")
+    p.add_argument("--warm-shard", type=str, default=None, help=argparse.SUPPRESS)  # "i/n": compile only
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    started = time.perf_counter()
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        config, device = "TINY", "cpu"
+    elif not torch.cuda.is_available():
+        print("sweep_moe needs a CUDA GPU (use --smoke on the CPU)", file=sys.stderr)
+        return 2
+    else:
+        config, device = args.config, "cuda"
+    jobs = all_jobs(args.smoke)
+    inputs = Inputs(config, device)
+    if args.warm_shard is not None:  # a warm-up worker: each config once, at the first token count
+        index, count = (int(x) for x in args.warm_shard.split("/"))
+        for job in [j for j in jobs if j.tokens == jobs[0].tokens][index::count]:
+            run_job(job, inputs, timed=False, expected=None)
+        return 0
+    if not args.smoke and args.workers > 0:
+        warm_up("benchmarks.sweep_moe", ["--out", str(args.out), "--config", args.config], args.workers,
+                started + WARMUP_SHARE * args.budget_s)
+    rows: list[dict[str, Any]] = []
+    expected: dict[str, torch.Tensor | None] = {}
+    for job in jobs:
+        if time.perf_counter() - started > args.budget_s:
+            rows.append({"gemm": job.gemm, "tokens": job.tokens, "config": job.label, "ok": False,
+                         "error": "skipped: sweep budget spent"})
+            continue
+        row, out = run_job(job, inputs, timed=not args.smoke, expected=expected.get(job.gemm) if job.config else None)
+        if job.config is None:
+            expected[job.gemm] = out
+        rows.append(row)
+        print(f"{row['gemm']:8s} {row['tokens']:4d} {row.get('us', float('nan')):9.2f} us "
+              f"{row.get('weight_gbs', 0):7.0f} GB/s  {row.get('calc_diff', 0):.1e}  {row['config']}  "
+              f"{row.get('error', '')}", flush=True)
+    best = {}
+    for key in sorted({(r["gemm"], r["tokens"]) for r in rows}):
+        timed = [r for r in rows if (r["gemm"], r["tokens"]) == key and "us" in r]
+        if timed:
+            b = min(timed, key=lambda r: r["us"])
+            default = next((r for r in timed if r["config"] == "default"), None)
+            best[f"{key[0]}/{key[1]}"] = {"best": b, "default": default}
+            print(f"best {key[0]} T={key[1]}: {b['config']} {b['us']} us (default {default and default['us']} us)")
+    meta = {"config": config, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "torch": torch.__version__, "wall_s": round(time.perf_counter() - started, 1),
+            "note": "CUDA-graph timing, no L2 flush (routings rotate over other experts); ranks configs"}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "sweep_moe.json"
+    path.write_text(json.dumps({"meta": meta, "best": best, "results": rows}, indent=1, default=str))
+    print(f"[sweep] {len(rows)} jobs in {meta['wall_s']} s -> {path}")
+    return 0 if all(r.get("ok") for r in rows if r["config"] == "default") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
