@@ -341,8 +341,7 @@ def test_split_k_fills_the_gpu_at_decode_and_slices_k_evenly() -> None:
             tiles = h * -(-b // c.block_m) * (1024 // c.block_n)
             assert 32 % c.split_k == 0
             assert tiles * c.split_k >= PROGRAMS_PER_SM * DEFAULT_NUM_SMS, (h, b, c)
-        assert choose_config(128, h, 1024, 32, DEFAULT_NUM_SMS).split_k == 2  # the table row's own split
-        for b in (256, 4096, 8192):
+        for b in (128, 4096, 8192):
             for platform in ("nvidia", "amd"):
                 assert choose_config(b, h, 1024, 32, DEFAULT_NUM_SMS, platform).split_k == 1
 

@@ -66,16 +66,15 @@ class EinsumConfig:
 # The tile tables of `choose_config`, by platform (`tile_platform()`): (largest b, tiles) rows, first match wins.
 # `python -m benchmarks.sweep_einsum` times the alternatives on the GPU and prints the winners. No row spills
 # (the AOT compile; sm_90 registers from 80 per thread at BLOCK_M = 16 to ~230 at 128 x 128: two fp32
-# accumulators). NVIDIA rows from the H200 sweep of 2026-12-03 (docs/h200/sweep-einsum.json): b = 128 with
-# 2 K slices 23.3 us against 25.0 full-K; b = 4096 at 128 x 64 tiles with 4 stages 383 us against 542 at
-# 128 x 128 with 3. Those 4 stages take 72 KB of shared memory, over gfx942's 64 KB LDS: AMD keeps 128 x 128
-# with 3 stages for prefill (not measured: no ROCm GPU here).
+# accumulators). The NVIDIA prefill row is from the H200 sweep of 2026-12-03 (docs/h200/sweep-einsum.json):
+# 128 x 64 tiles with 4 stages took b = 4096 from 542 to 383 us with DeepGEMM's MN-major activation scales (the
+# sweep's input), and from 400 to 392 us in `python -m benchmarks` (row-major scales). Those 4 stages take 72 KB
+# of shared memory, over gfx942's 64 KB LDS: AMD keeps 128 x 128 with 3 stages (not measured: no ROCm GPU here).
 _DECODE_ROWS: tuple[tuple[int, EinsumConfig], ...] = (
     (16, EinsumConfig(16, 64, 1, 4, 4)),  # decode: smallest dot tile, weight streaming
     (32, EinsumConfig(32, 64, 1, 4, 4)),
     (64, EinsumConfig(64, 64, 1, 4, 3)),
-    (128, EinsumConfig(128, 64, 2, 8, 3)),  # one wave of h * d / 64 programs (128 on FLASH), K in 2 slices
-    (256, EinsumConfig(128, 64, 1, 8, 3)),
+    (256, EinsumConfig(128, 64, 1, 8, 3)),  # one wave of h * d / 64 programs (128 on FLASH)
 )
 TILE_TABLE: dict[str, tuple[tuple[int, EinsumConfig], ...]] = {
     "nvidia": (*_DECODE_ROWS, (1 << 62, EinsumConfig(128, 64, 1, 8, 4))),  # compute-bound: deeper pipeline
@@ -343,10 +342,11 @@ def _einsum_spec(config: EinsumConfig, out: str, targets: tuple[str, ...] = ALL_
 
 
 # The launch configurations of `choose_config` at the DSv4 shape (r = 4096): decode split-K at the three
-# decode tiles (fp32 workspace) and b = 128 (two K slices), on every target; prefill full-K (bf16 out) with each
+# decode tiles (fp32 workspace) and b = 128 full-K (bf16 out), on every target; prefill full-K with each
 # platform's tiles on its targets; the split-K reduction.
 AOT_SPECS = [
-    *(_einsum_spec(choose_config(b, 8, 1024, 32, DEFAULT_NUM_SMS), "fp32") for b in (1, 32, 64, 128)),
+    *(_einsum_spec(choose_config(b, 8, 1024, 32, DEFAULT_NUM_SMS), "fp32") for b in (1, 32, 64)),
+    _einsum_spec(choose_config(128, 8, 1024, 32, DEFAULT_NUM_SMS), "bf16"),
     *(_einsum_spec(choose_config(4096, 8, 1024, 32, DEFAULT_NUM_SMS, platform), "bf16", targets)
       for platform, targets in PLATFORM_TARGETS.items()),
     AotSpec(
