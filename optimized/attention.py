@@ -466,9 +466,20 @@ def compress_chunks(
     proj = tc.projections(x, w_cat, weights.ape, positions)
     buffers, entry_rows, entry_ids, counts = [], [], [], []
     base = 0
+    current = (coff - 1) * m
     for b, state in enumerate(states):
         start = state.next_position
-        current = (coff - 1) * m
+        n_tokens = bounds[b + 1] - bounds[b]
+        state.next_position = start + n_tokens
+        if start % m + n_tokens < m:
+            # no block completes (most decode steps): the tokens join the open block's rows; the rows past them
+            # stay a = 0, b = -inf (the state's invariant), nothing is pooled
+            if n_tokens:
+                rows = slice(current + start % m, current + start % m + n_tokens)
+                new = proj[bounds[b]:bounds[b + 1]]
+                state.kv[rows], state.score[rows] = new[:, :coff * d], new[:, coff * d:]
+            counts.append(0)
+            continue
         state_rows = torch.cat((state.kv, state.score), dim=1)
         run = torch.cat((state_rows[current:current + start % m], proj[bounds[b]:bounds[b + 1]]))
         n_new = run.shape[0] // m
@@ -486,7 +497,10 @@ def compress_chunks(
         state.kv[current:], state.score[current:] = 0.0, float("-inf")
         state.kv[current:current + tail.shape[0]] = tail[:, :coff * d]
         state.score[current:current + tail.shape[0]] = tail[:, coff * d:]
-        state.next_position = start + bounds[b + 1] - bounds[b]
+    if not buffers:  # no sequence completed a block
+        empty = torch.empty((0, KV_PACKED_BYTES) if packed else (0, d),
+                            dtype=torch.uint8 if packed else torch.bfloat16, device=x.device)
+        return [empty] * len(states)
     ids = torch.cat(entry_ids)
     u = tc.pool(torch.cat(buffers), torch.cat(entry_rows).to(torch.int32), ratio=m, head_dim=d)
     cos, sin = _cos_sin(ids * m, freqs)  # RoPE at the block's first position
@@ -617,6 +631,29 @@ class AttentionCache:
                              f"(kv_fp8_sim={packed}) need {'packed FP8' if packed else 'bf16'} rows")
         if len(self.sequences) != batch:
             raise ValueError(f"cache: holds {len(self.sequences)} sequences, cu_seqlens describes {batch}")
+        # what each sequence holds must match the positions it has seen (host-side: no device read)
+        ratio, row = cfg.compress_ratio(layer_id), (KV_PACKED_BYTES,) if packed else (cfg.head_dim,)
+        for b, seq in enumerate(self.sequences):
+            p = seq.next_position
+            held = {"window": (tuple(seq.window.shape), (cfg.window_size, *row)),
+                    "compressed": (seq.compressed.shape[0], p // ratio if ratio else 0),
+                    "indexer_keys": (seq.indexer_keys.shape[0], p // INDEXER_RATIO if kind == "csa" else 0)}
+            for name, state in (("compressor", seq.compressor), ("indexer_compressor", seq.indexer_compressor)):
+                if state is not None:
+                    held[f"{name} state at"] = (state.next_position, p)
+            for what, (got, expected) in held.items():
+                if got != expected:
+                    raise ValueError(f"cache: sequence {b} at position {p} holds {what} {got}, expected {expected}")
+
+
+def _ring_rows(ring: torch.Tensor, first: int, end: int) -> tuple[torch.Tensor, ...]:
+    """Views of the ring rows of positions `first .. end - 1` in position order (row p mod len(ring)): one slice,
+    or two where the range wraps; at most len(ring) positions."""
+    size = len(ring)
+    lo, n = first % size, end - first
+    if lo + n <= size:
+        return (ring[lo:lo + n],)
+    return ring[lo:], ring[:lo + n - size]
 
 
 class Attention(nn.Module):
@@ -693,7 +730,8 @@ class Attention(nn.Module):
                                   numerics=numerics, rotate="main", norm_eps=cfg.norm_eps, packed=self.packed,
                                   w_cat=self._w_cat)
             for seq, entries in zip(seqs, new):
-                seq.compressed = torch.cat((seq.compressed, entries))
+                if entries.shape[0]:
+                    seq.compressed = torch.cat((seq.compressed, entries))
         if self.kind == "csa":
             selection = self._indexer_selection(x, c_q, positions, bounds, seqs)
         elif self.kind == "hca":
@@ -705,17 +743,22 @@ class Attention(nn.Module):
         win = cfg.window_size
         window_rows, window_first = [], []
         for b, seq in enumerate(seqs):
-            tokens = slice(bounds[b], bounds[b + 1])
-            start = seq.next_position
+            start, n = seq.next_position, bounds[b + 1] - bounds[b]
+            new_rows = kv[bounds[b]:bounds[b + 1]]
             first = max(0, start - win + 1)
-            history = seq.window[torch.arange(first, start, device=x.device) % win]
-            window_rows.append(torch.cat((history, kv[tokens])))
+            # the ring's rows of positions first .. start - 1 (row p mod win), then the new rows
+            window_rows.append(torch.cat((*_ring_rows(seq.window, first, start), new_rows)))
             window_first.append(first)
-            last = slice(max(tokens.start, tokens.stop - win), tokens.stop)  # rows that stay in the ring
-            seq.window[positions[last] % win] = kv[last]
-            seq.next_position = start + tokens.stop - tokens.start
+            # the last min(n, win) new rows replace the ring rows of their positions mod win
+            keep = min(n, win)
+            ring_views = _ring_rows(seq.window, start + n - keep, start + n)
+            for ring_view, rows in zip(ring_views, new_rows[n - keep:].split([v.shape[0] for v in ring_views])):
+                ring_view.copy_(rows)
+            seq.next_position = start + n
+        # The layer built the window rows and the selections itself, from a cache `cache.check` and
+        # `_check_entries` validated on the host: the per-sequence device reads of `validate` are not needed.
         pool, indices = candidate_indices(window_rows, window_first, [s.compressed for s in seqs], selection,
-                                          positions, cu_seqlens, win, validate=check)
+                                          positions, cu_seqlens, win, validate=False)
         return q, pool, indices
 
     def _indexer_selection(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor, bounds: list[int],
@@ -729,7 +772,8 @@ class Attention(nn.Module):
                               freqs=self.freqs, numerics=numerics, rotate="indexer", norm_eps=cfg.norm_eps,
                               w_cat=self._w_cat_indexer)
         for seq, keys in zip(seqs, new):
-            seq.indexer_keys = torch.cat((seq.indexer_keys, keys))
+            if keys.shape[0]:
+                seq.indexer_keys = torch.cat((seq.indexer_keys, keys))
         n_visible = ((positions + 1) // INDEXER_RATIO).to(torch.int32)
         keys = [s.indexer_keys for s in seqs]
         lengths = [bounds[b + 1] - bounds[b] for b in range(len(seqs))]

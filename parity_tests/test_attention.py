@@ -6,6 +6,7 @@ properties of each kernel on identical inputs, and every malformed argument of t
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -18,7 +19,13 @@ from parity_tests.cases import FP8_FORMATS, TINY_DEVICE, Case, all_cases, genera
 from parity_tests.metrics import calc_diff
 from parity_tests.ops.attention import GPU_CONFIGS, OPS, layer_of_kind
 from parity_tests.testing import assert_case_passes
-from parity_tests.tolerances import COMPRESS_SIMULATED, FP8_END_TO_END, INDEXER_SCORES_FP32, SPARSE_ATTENTION_SIMULATED
+from parity_tests.tolerances import (
+    ATTENTION_LAYER_SIMULATED,
+    COMPRESS_SIMULATED,
+    FP8_END_TO_END,
+    INDEXER_SCORES_FP32,
+    SPARSE_ATTENTION_SIMULATED,
+)
 from reference import attention as ref
 from reference import compressor as ref_comp
 from reference.attention import head_rms_norm
@@ -293,6 +300,37 @@ def test_cache_from_the_reference_holds_the_same_rows_packed() -> None:
         assert torch.equal(other.indexer_keys, seq.indexer_keys)
         assert other.next_position == seq.next_position
         assert torch.equal(other.compressor.score, seq.compressor.score)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_the_layer_fed_in_chunks_and_single_tokens_equals_one_prefill(kind: str) -> None:
+    """A chunk longer than the window (the ring wraps inside one call; it completes the first ratio-128 block),
+    single decode tokens across a ratio-4 block end, then a chunk again: the same outputs as one prefill. The kernels see other
+    token counts per call (other GEMM tiles and splits), so the bound is the layer's (ATTENTION_LAYER_SIMULATED)."""
+    cfg, layer_id = TINY, layer_of_kind(TINY, kind)
+    weights = ref.random_attention_weights(cfg, layer_id, generator=generator(12))
+    layer = optimized.Attention(cfg, layer_id, weights, VLLM_NVIDIA, backend="triton")
+    n = cfg.window_size + 20
+    x = torch.randn(n, cfg.dim, generator=generator(13)).to(torch.bfloat16)
+    positions = torch.arange(n)
+    whole = layer(x, positions, torch.tensor([0, n], dtype=torch.int32))
+    cache = optimized.AttentionCache.empty(cfg, layer_id, 1)
+    cuts = [0, cfg.window_size + 2, cfg.window_size + 3, cfg.window_size + 4, cfg.window_size + 5, n]
+    pieces = [layer(x[a:b], positions[a:b], torch.tensor([0, b - a], dtype=torch.int32), cache)
+              for a, b in pairwise(cuts)]
+    assert calc_diff(torch.cat(pieces).float(), whole.float()) <= ATTENTION_LAYER_SIMULATED.value
+    assert cache.sequences[0].next_position == n
+
+
+def test_a_cache_that_does_not_match_its_positions_is_rejected_on_the_host() -> None:
+    cfg, layer_id = TINY, layer_of_kind(TINY, "csa")
+    weights = ref.random_attention_weights(cfg, layer_id, generator=generator(14))
+    layer = optimized.Attention(cfg, layer_id, weights, VLLM_NVIDIA, backend="triton")
+    cache = optimized.AttentionCache.empty(cfg, layer_id, 1)
+    cache.sequences[0].next_position = 8  # claims 8 tokens, holds no entries
+    x = torch.randn(1, cfg.dim, generator=generator(15)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="cache: sequence 0 at position 8 holds compressed 0, expected 2"):
+        layer(x, torch.tensor([8]), torch.tensor([0, 1], dtype=torch.int32), cache)
 
 
 # ------------------------------------------------------------------------------------------------

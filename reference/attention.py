@@ -388,10 +388,12 @@ def _attend(
 
 def check_continuation(positions: torch.Tensor, bounds: list[int], sequences: Sequence[Any]) -> None:
     """Each sequence's first new token continues its cache (`sequences[b].next_position`); raises ValueError."""
-    for b, seq in enumerate(sequences):
-        if bounds[b + 1] > bounds[b] and int(positions[bounds[b]]) != seq.next_position:
-            raise ValueError(f"positions: sequence {b} starts at {int(positions[bounds[b]])}, its cache "
-                             f"continues at {seq.next_position}")
+    started = [b for b in range(len(sequences)) if bounds[b + 1] > bounds[b]]
+    firsts = positions[[bounds[b] for b in started]].tolist()  # one device read for the whole batch
+    for b, first in zip(started, firsts):
+        if first != sequences[b].next_position:
+            raise ValueError(f"positions: sequence {b} starts at {first}, its cache continues at "
+                             f"{sequences[b].next_position}")
 
 
 def check_tokens(
