@@ -328,7 +328,8 @@ def _einsum_spec(config: EinsumConfig, out: str, targets: tuple[str, ...] = ALL_
             "stride_bh", "stride_bn", "stride_sbh", "stride_sbn", "stride_sbk",
             "stride_cs", "stride_cm", "stride_ch", "stride_cn")
     return AotSpec(
-        name=f"fp8_einsum[BM={config.block_m},BN={config.block_n},split={config.split_k > 1},out={out}]",
+        name=f"fp8_einsum[BM={config.block_m},BN={config.block_n},warps={config.num_warps},"
+             f"stages={config.num_stages},split={config.split_k > 1},out={out}]",
         kernel=_fp8_einsum_kernel,
         signature={"a_ptr": "*{fp8}", "sa_ptr": "*fp32", "b_ptr": "*{fp8}", "sb_ptr": "*fp32", "c_ptr": f"*{out}",
                    **dict.fromkeys(ints, "i32")},
