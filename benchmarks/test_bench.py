@@ -4,6 +4,7 @@ synthetic timings, and pytest-benchmark timings of every op at FLASH shapes (GPU
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import subprocess
@@ -334,3 +335,16 @@ def test_markdown_shows_figures_bold_fastest_and_lists_na_reasons() -> None:
     assert "- n/a: torch _scaled_mm — unsupported here (FLASH T=4096)" in md
     assert "- skipped: reference — reference took 9 s (FLASH T=4096)" in md
     assert "2000 TFLOP/s" in md  # the measured FP8 ceiling is printed
+
+
+@pytest.mark.parametrize("module", ["sweep_einsum", "sweep_attention", "sweep_moe", "profile_attention"])
+def test_tile_sweeps_and_the_layer_profile_run_in_cpu_smoke_mode(module: str, tmp_path: Path) -> None:
+    """The H200 scripts behind the tile tables and the decode-layer diagnosis run their code paths on the CPU
+    (TINY, interpreter; nothing timed): every candidate they try there runs and matches."""
+    main = importlib.import_module(f"benchmarks.{module}").main
+    assert main(["--out", str(tmp_path), "--smoke"]) == 0
+    report = json.loads((tmp_path / f"{module}.json").read_text())
+    if module == "profile_attention":
+        assert report["results"] and all(r["wall_ms"] > 0 and r["aten_ops"] > 0 for r in report["results"].values())
+    else:
+        assert report["results"] and all(r["ok"] for r in report["results"]), report["results"]

@@ -305,8 +305,9 @@ def test_cache_from_the_reference_holds_the_same_rows_packed() -> None:
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 def test_the_layer_fed_in_chunks_and_single_tokens_equals_one_prefill(kind: str) -> None:
     """A chunk longer than the window (the ring wraps inside one call; it completes the first ratio-128 block),
-    single decode tokens across a ratio-4 block end, then a chunk again: the same outputs as one prefill. The kernels see other
-    token counts per call (other GEMM tiles and splits), so the bound is the layer's (ATTENTION_LAYER_SIMULATED)."""
+    single decode tokens across a ratio-4 block end, then a chunk again: the same outputs as one prefill. The
+    kernels see other token counts per call (other GEMM tiles and splits), so the bound is the layer's
+    (ATTENTION_LAYER_SIMULATED)."""
     cfg, layer_id = TINY, layer_of_kind(TINY, kind)
     weights = ref.random_attention_weights(cfg, layer_id, generator=generator(12))
     layer = optimized.Attention(cfg, layer_id, weights, VLLM_NVIDIA, backend="triton")
