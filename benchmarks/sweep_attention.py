@@ -8,7 +8,7 @@ step, warps, stages) and split-KV factor at the benchmark's own inputs (`benchma
 prefill of 8192 tokens over bf16 rows, and decode (batch 1, 8, 64, 128 at a 32768-token context) over the
 584-byte FP8 cache. Writes `DIR/sweep_attention.json` (every result and the best per point) and prints a table.
 
-Timing is `benchmarks.sweep_einsum.time_graph` (CUDA graph of back-to-back calls, median replay). Decode calls
+Timing is `benchmarks.sweeping.time_graph` (CUDA graph of back-to-back calls, median replay). Decode calls
 rotate over index sets shifted through the whole KV pool, so each call gathers rows that the previous calls
 did not leave in L2 (one step of batch 64 reads ~24 MB, less than the 50 MB L2); prefill's rows are shared by
 all its tokens and stay in L2 in a real prefill too, so they are not rotated.
@@ -20,18 +20,14 @@ is reported with its error and never chosen.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.sweep_einsum import WARMUP_SHARE, time_graph, warm_up
+from benchmarks.sweeping import device_and_config, drive, error_text, parser, time_graph, write_report
 
 PREFILL_TOKENS = 8192
 DECODE_TOKENS = (1, 8, 64, 128)
@@ -133,56 +129,38 @@ def run_job(job: Job, inputs: Inputs, timed: bool, expected: torch.Tensor | None
             valid = int((index_sets[0] >= 0).sum())
             row["tflops"] = round(4.0 * q.shape[1] * q.shape[2] * valid / seconds / 1e12, 1)
     except Exception as exc:  # a config that does not compile or run is a result, not a crash
-        row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+        row.update(ok=False, error=error_text(exc))
     return row, out
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_attention", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="folder for sweep_attention.json")
-    p.add_argument("--config", default="FLASH", help="model config (default FLASH)")
-    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="wall-clock budget, warm-up included")
-    p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel JIT warm-up processes")
-    p.add_argument("--smoke", action="store_true", help="CPU: TINY shapes, two configs, nothing timed")
-    p.add_argument("--warm-shard", type=str, default=None, help=argparse.SUPPRESS)  # "i/n": compile only
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser("sweep_attention", __doc__.split("\n\n")[0], DEFAULT_BUDGET_S,
+                  "CPU: TINY shapes, two configs, nothing timed").parse_args(argv)
     started = time.perf_counter()
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        config, device, token_counts = "TINY", "cpu", SMOKE_TOKENS
-    elif not torch.cuda.is_available():
-        print("sweep_attention needs a CUDA GPU (use --smoke on the CPU)", file=sys.stderr)
+    where = device_and_config(args, "sweep_attention")
+    if where is None:
         return 2
-    else:
-        config, device, token_counts = args.config, "cuda", (PREFILL_TOKENS, *reversed(DECODE_TOKENS))
+    device, config = where
+    token_counts = SMOKE_TOKENS if args.smoke else (PREFILL_TOKENS, *reversed(DECODE_TOKENS))
     jobs = [job for t in token_counts for job in candidates(t, args.smoke)]
     inputs = Inputs(config, device, args.smoke)
-    if args.warm_shard is not None:  # a warm-up worker: one launch per distinct compiled kernel of its shard
-        index, count = (int(x) for x in args.warm_shard.split("/"))
-        for job in [j for j in jobs if j.tokens == 64 or not j.packed][index::count]:
-            run_job(job, inputs, timed=False, expected=None)
-        return 0
-    if not args.smoke and args.workers > 0:
-        warm_up("benchmarks.sweep_attention", ["--out", str(args.out), "--config", args.config], args.workers,
-                started + WARMUP_SHARE * args.budget_s)
-    rows: list[dict[str, Any]] = []
-    expected: torch.Tensor | None = None
-    for job in jobs:
-        if time.perf_counter() - started > args.budget_s:
-            rows.append({"tokens": job.tokens, "packed": job.packed, "config": job.label, "ok": False,
-                         "error": "skipped: sweep budget spent"})
-            continue
-        row, out = run_job(job, inputs, timed=not args.smoke, expected=None if job.config is None else expected)
+    expected: torch.Tensor | None = None  # the default config's output at the current token count
+
+    def run(job: Job, timed: bool) -> dict[str, Any]:
+        nonlocal expected
+        row, out = run_job(job, inputs, timed, expected=None if job.config is None else expected)
         if job.config is None:
             expected = out
-        rows.append(row)
         print(f"{row['tokens']:6d} {'fp8' if row['packed'] else 'bf16':4s} {row.get('us', float('nan')):9.2f} us "
               f"{row.get('tflops', 0):7.1f} TFLOP/s  {row.get('calc_diff', 0):.1e}  {row['config']}  "
               f"{row.get('error', '')}", flush=True)
+        return row
+
+    # warm-up shards: one launch per distinct compiled kernel (batch 64 covers every decode kernel)
+    rows = drive(args, "sweep_attention", started, jobs, [j for j in jobs if j.tokens == 64 or not j.packed], run,
+                 lambda job: {"tokens": job.tokens, "packed": job.packed, "config": job.label})
+    if rows is None:
+        return 0
     best = {}
     for t in token_counts:
         timed = [r for r in rows if r["tokens"] == t and "us" in r]
@@ -191,13 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             best[str(t)] = {"best": min(timed, key=lambda r: r["us"]), "default": default}
             print(f"best at {t}: {best[str(t)]['best']['config']} {best[str(t)]['best']['us']} us "
                   f"(default {default and default['us']} us)")
-    meta = {"config": config, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "torch": torch.__version__, "wall_s": round(time.perf_counter() - started, 1),
+    meta = {"config": config,
             "note": "CUDA-graph timing, no L2 flush (decode indices rotate through the KV pool); ranks configs"}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "sweep_attention.json"
-    path.write_text(json.dumps({"meta": meta, "best": best, "results": rows}, indent=1, default=str))
-    print(f"[sweep] {len(rows)} jobs in {meta['wall_s']} s -> {path}")
+    write_report(args.out, "sweep_attention", device, meta, {"best": best, "results": rows}, started, len(rows))
     return 0 if all(r.get("ok") for r in rows if r["config"] == "default") else 1
 
 

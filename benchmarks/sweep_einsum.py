@@ -33,28 +33,30 @@ timed), so that this process finds them in Triton's (and DeepGEMM's) on-disk cac
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-CALLS = 20
-REPLAYS = 10
+from benchmarks.sweeping import (
+    CALLS,
+    REPLAYS,
+    device_and_config,
+    drive,
+    error_text,
+    parser,
+    time_graph,
+    write_report,
+)
+
 ROTATE_BYTES = 150 * 2**20
 EINSUM_TOKENS = (1, 8, 128, 4096)
 QUANT_TOKENS = (1, 128, 4096)
 SMOKE_TOKENS = (1, 5)
 DEFAULT_BUDGET_S = 85.0
-WARMUP_SHARE = 0.55
 EXPR = "bhr,hdr->bhd"
 # Host overhead: eager public calls at T = 1 (GPU time a few us), back to back, wall clock per call.
 HOST_OPS = ("fp8_einsum", "quantize_attn_output", "fp8_linear", "output_projection", "triton_einsum_launch",
@@ -335,43 +337,6 @@ def time_host(call: Callable[[int], Any]) -> float:
 # ------------------------------------------------------------------------------------------------
 
 
-def time_graph(call: Callable[[int], Any]) -> tuple[float, str]:
-    """Median seconds per call over `REPLAYS` replays of a CUDA graph of `CALLS` calls; ("graph" or "eager")."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm the allocator off the default stream, as capture wants
-        for i in range(CALLS):
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    mode = "graph"
-    try:
-        with torch.cuda.graph(graph):
-            for i in range(CALLS):
-                call(i)
-        run = graph.replay
-    except Exception:  # not capturable: time the eager calls, same bracketing
-        torch.cuda.synchronize()
-        mode = "eager"
-
-        def run() -> None:
-            for i in range(CALLS):
-                call(i)
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / CALLS)
-    del graph
-    return statistics.median(times), mode
-
-
 def work(job: Job, inputs: Inputs) -> tuple[float, float]:
     """(FLOP, minimal bytes) of one call."""
     cfg, t = inputs.cfg, job.tokens
@@ -408,7 +373,7 @@ def run_job(job: Job, inputs: Inputs, timed: bool) -> dict[str, Any]:
             row["tflops"] = round(flop / seconds / 1e12, 1)
             row["gbs"] = round(nbytes / seconds / 1e9, 1)
     except Exception as exc:  # a config that does not compile or run is a result, not a crash
-        row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+        row.update(ok=False, error=error_text(exc))
     return row
 
 
@@ -460,77 +425,32 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_einsum", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="folder for sweep_einsum.json")
-    p.add_argument("--config", default="FLASH", help="model config (default FLASH)")
-    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="wall-clock budget, warm-up included")
-    p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel JIT warm-up processes")
-    p.add_argument("--smoke", action="store_true", help="CPU: TINY shapes, two configs per point, nothing timed")
-    p.add_argument("--warm-shard", type=str, default=None, help=argparse.SUPPRESS)  # "i/n": compile only
-    return p
-
-
-def warm_up(module: str, argv: list[str], workers: int, deadline: float) -> None:
-    """Compile every job's kernels in `workers` processes of `python -m module *argv --warm-shard i/n` (each runs
-    its shard's jobs once, untimed), so that the timing process finds them in the on-disk JIT caches."""
-    n = max(1, workers)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(Path(__file__).resolve().parents[1]),
-                                                                      os.environ.get("PYTHONPATH"))))}
-    procs = [subprocess.Popen([sys.executable, "-m", module, *argv, "--warm-shard", f"{i}/{n}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env) for i in range(n)]
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.perf_counter()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    print(f"[sweep] warm-up: {sum(p.returncode == 0 for p in procs)}/{n} processes finished")
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser("sweep_einsum", __doc__.split("\n\n")[0], DEFAULT_BUDGET_S,
+                  "CPU: TINY shapes, two configs per point, nothing timed").parse_args(argv)
     started = time.perf_counter()
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        config, device = "TINY", "cpu"
-    elif not torch.cuda.is_available():
-        print("sweep_einsum needs a CUDA GPU (use --smoke on the CPU)", file=sys.stderr)
+    where = device_and_config(args, "sweep_einsum")
+    if where is None:
         return 2
-    else:
-        config, device = args.config, "cuda"
+    device, config = where
     jobs = all_jobs(args.smoke)
     inputs = Inputs(config, device)
-    if args.warm_shard is not None:  # a warm-up worker: run this shard's jobs once
-        index, count = (int(x) for x in args.warm_shard.split("/"))
-        # shards take whole token counts' worth of a kind in turn, so each holds one token count's inputs
-        for job in sorted(jobs, key=lambda j: (j.tokens, j.kind))[index::count]:
-            run_job(job, inputs, timed=False)
+    # warm-up shards take whole token counts' worth of a kind in turn, so each holds one token count's inputs;
+    # host overhead is timed first (quick), then the largest token counts: the budget cuts the least important
+    rows = drive(args, "sweep_einsum", started,
+                 sorted(jobs, key=lambda j: (j.kind != "host", -j.tokens, j.kind)),
+                 sorted(jobs, key=lambda j: (j.tokens, j.kind)), lambda job, timed: run_job(job, inputs, timed),
+                 lambda job: {"kind": job.kind, "tokens": job.tokens, "config": job.label})
+    if rows is None:
         return 0
-    if not args.smoke and args.workers > 0:
-        warm_up("benchmarks.sweep_einsum", ["--out", str(args.out), "--config", args.config], args.workers,
-                started + WARMUP_SHARE * args.budget_s)
-    rows = []
-    # host overhead first (quick), then the largest token counts: what the budget cuts is the least important
-    for job in sorted(jobs, key=lambda j: (j.kind != "host", -j.tokens, j.kind)):
-        if time.perf_counter() - started > args.budget_s:
-            rows.append({"kind": job.kind, "tokens": job.tokens, "config": job.label, "ok": False,
-                         "error": "skipped: sweep budget spent"})
-            continue
-        rows.append(run_job(job, inputs, timed=not args.smoke))
     print_table(rows)
     summary = summarize(rows)
     for table, lines in summary["suggested"].items():
         print(f"\nbest per point ({table}):")
         print("\n".join(f"  {line}" for line in lines))
-    meta = {"config": config, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "torch": torch.__version__, "calls_per_graph": CALLS, "replays": REPLAYS, "rotate_bytes": ROTATE_BYTES,
-            "wall_s": round(time.perf_counter() - started, 1),
+    meta = {"config": config, "calls_per_graph": CALLS, "replays": REPLAYS, "rotate_bytes": ROTATE_BYTES,
             "note": "CUDA-graph timing, no L2 flush (operands rotate over >= rotate_bytes); ranks configs"}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "sweep_einsum.json"
-    path.write_text(json.dumps({"meta": meta, **summary, "results": rows}, indent=1, default=str))
-    print(f"\n[sweep] {len(rows)} jobs in {meta['wall_s']} s -> {path}")
+    write_report(args.out, "sweep_einsum", device, meta, summary | {"results": rows}, started, len(rows))
     failed = [r for r in rows if not r.get("ok") and r["kind"] in ("einsum", "quant") and r["config"] == "default"]
     return 1 if failed else 0
 

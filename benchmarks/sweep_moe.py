@@ -8,7 +8,7 @@ At T in {1, 8, 64} (rows per active expert <= 16: `moe_gemm.choose_config`'s dec
 and down, with every candidate `GemmConfig` (BLOCK_N, warps, stages; BLOCK_M stays 16, the permute alignment),
 plus the whole Triton `experts` call with the defaults. Writes `DIR/sweep_moe.json` and prints a table.
 
-Timing is `benchmarks.sweep_einsum.time_graph`. The calls rotate over `ROTATIONS` routings that pick other
+Timing is `benchmarks.sweeping.time_graph`. The calls rotate over `ROTATIONS` routings that pick other
 experts, so the expert weights a call reads stream from HBM (T = 1 reads 6 experts, ~150 MB at FLASH) as they do
 in a model. Each candidate's output is checked against the default config's under `MOE_SIMULATED` (down) or
 against its dequantized values (gate/up: FP8 output, the same bound); a candidate that fails is never chosen.
@@ -16,18 +16,14 @@ against its dequantized values (gate/up: FP8 output, the same bound); a candidat
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.sweep_einsum import WARMUP_SHARE, time_graph, warm_up
+from benchmarks.sweeping import device_and_config, drive, error_text, parser, time_graph, write_report
 
 TOKENS = (1, 8, 64)
 SMOKE_TOKENS = (2,)
@@ -158,56 +154,36 @@ def run_job(job: Job, inputs: Inputs, timed: bool, expected: torch.Tensor | None
             row["weight_gbs"] = round(active * per_expert * (1 + 4 / 128**2) / seconds / 1e9, 1)
             row["experts_per_call"] = active
     except Exception as exc:  # a config that does not compile or run is a result, not a crash
-        row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+        row.update(ok=False, error=error_text(exc))
     return row, out
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_moe", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="folder for sweep_moe.json")
-    p.add_argument("--config", default="FLASH", help="model config (default FLASH)")
-    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="wall-clock budget, warm-up included")
-    p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel JIT warm-up processes")
-    p.add_argument("--smoke", action="store_true", help="CPU: TINY shapes, one config per GEMM, nothing timed")
-    p.add_argument("--warm-shard", type=str, default=None, help=argparse.SUPPRESS)  # "i/n": compile only
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser("sweep_moe", __doc__.split("\n\n")[0], DEFAULT_BUDGET_S,
+                  "CPU: TINY shapes, one config per GEMM, nothing timed").parse_args(argv)
     started = time.perf_counter()
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        config, device = "TINY", "cpu"
-    elif not torch.cuda.is_available():
-        print("sweep_moe needs a CUDA GPU (use --smoke on the CPU)", file=sys.stderr)
+    where = device_and_config(args, "sweep_moe")
+    if where is None:
         return 2
-    else:
-        config, device = args.config, "cuda"
+    device, config = where
     jobs = all_jobs(args.smoke)
     inputs = Inputs(config, device)
-    if args.warm_shard is not None:  # a warm-up worker: each config once, at the first token count
-        index, count = (int(x) for x in args.warm_shard.split("/"))
-        for job in [j for j in jobs if j.tokens == jobs[0].tokens][index::count]:
-            run_job(job, inputs, timed=False, expected=None)
-        return 0
-    if not args.smoke and args.workers > 0:
-        warm_up("benchmarks.sweep_moe", ["--out", str(args.out), "--config", args.config], args.workers,
-                started + WARMUP_SHARE * args.budget_s)
-    rows: list[dict[str, Any]] = []
-    expected: dict[str, torch.Tensor | None] = {}
-    for job in jobs:
-        if time.perf_counter() - started > args.budget_s:
-            rows.append({"gemm": job.gemm, "tokens": job.tokens, "config": job.label, "ok": False,
-                         "error": "skipped: sweep budget spent"})
-            continue
-        row, out = run_job(job, inputs, timed=not args.smoke, expected=expected.get(job.gemm) if job.config else None)
+    expected: dict[str, torch.Tensor | None] = {}  # each GEMM's default output at the current token count
+
+    def run(job: Job, timed: bool) -> dict[str, Any]:
+        row, out = run_job(job, inputs, timed, expected=expected.get(job.gemm) if job.config else None)
         if job.config is None:
             expected[job.gemm] = out
-        rows.append(row)
         print(f"{row['gemm']:8s} {row['tokens']:4d} {row.get('us', float('nan')):9.2f} us "
               f"{row.get('weight_gbs', 0):7.0f} GB/s  {row.get('calc_diff', 0):.1e}  {row['config']}  "
               f"{row.get('error', '')}", flush=True)
+        return row
+
+    # warm-up shards: each config once, at the first token count
+    rows = drive(args, "sweep_moe", started, jobs, [j for j in jobs if j.tokens == jobs[0].tokens], run,
+                 lambda job: {"gemm": job.gemm, "tokens": job.tokens, "config": job.label})
+    if rows is None:
+        return 0
     best = {}
     for key in sorted({(r["gemm"], r["tokens"]) for r in rows}):
         timed = [r for r in rows if (r["gemm"], r["tokens"]) == key and "us" in r]
@@ -216,13 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             default = next((r for r in timed if r["config"] == "default"), None)
             best[f"{key[0]}/{key[1]}"] = {"best": b, "default": default}
             print(f"best {key[0]} T={key[1]}: {b['config']} {b['us']} us (default {default and default['us']} us)")
-    meta = {"config": config, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "torch": torch.__version__, "wall_s": round(time.perf_counter() - started, 1),
+    meta = {"config": config,
             "note": "CUDA-graph timing, no L2 flush (routings rotate over other experts); ranks configs"}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "sweep_moe.json"
-    path.write_text(json.dumps({"meta": meta, "best": best, "results": rows}, indent=1, default=str))
-    print(f"[sweep] {len(rows)} jobs in {meta['wall_s']} s -> {path}")
+    write_report(args.out, "sweep_moe", device, meta, {"best": best, "results": rows}, started, len(rows))
     return 0 if all(r.get("ok") for r in rows if r["config"] == "default") else 1
 
 
