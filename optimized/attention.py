@@ -755,8 +755,9 @@ class Attention(nn.Module):
             for ring_view, rows in zip(ring_views, new_rows[n - keep:].split([v.shape[0] for v in ring_views])):
                 ring_view.copy_(rows)
             seq.next_position = start + n
-        # The layer built the window rows and the selections itself, from a cache `cache.check` and
-        # `_check_entries` validated on the host: the per-sequence device reads of `validate` are not needed.
+        # The layer built the window rows and the selections itself, from a cache that `cache.check` validated on
+        # the host (entries, keys and states match the positions): the per-sequence device reads of `validate`
+        # are not needed.
         pool, indices = candidate_indices(window_rows, window_first, [s.compressed for s in seqs], selection,
                                           positions, cu_seqlens, win, validate=False)
         return q, pool, indices
