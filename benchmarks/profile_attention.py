@@ -1,15 +1,17 @@
-"""Where one decode step of the whole attention layer spends its time: wall clock, kernels, launches, syncs.
+"""Where one step of the whole attention layer spends its time: wall clock, kernels, launches, syncs.
 
-    python -m benchmarks.profile_attention --out DIR            # GPU: FLASH CSA layer, batch 64, 32768 context
-    python -m benchmarks.profile_attention --out DIR --smoke    # CPU (TRITON_INTERPRET=1): TINY, proves the code
+    python -m benchmarks.profile_attention --out DIR                  # GPU: FLASH CSA layer, decode batch 64, 32768
+    python -m benchmarks.profile_attention --out DIR --prefill 8192   # GPU: the same layer, one 8192-token prompt
+    python -m benchmarks.profile_attention --out DIR --smoke          # CPU (TRITON_INTERPRET=1): TINY, proves the code
 
 The layer at decode is host-bound (hundreds of small launches per step, see README), so this reports what a
 kernel benchmark cannot: per backend, with `cu_seqlens` on the device and value checks on (the default) and with
 `cu_seqlens` on the host and value checks off (a serving loop), the wall time per step (mean of `STEPS` eager
 steps after `STEPS` warm ones, no L2 flush: the step is host-bound), the kernels launched and their summed GPU
 time, the host-device syncs and copies, and the costliest kernels (torch.profiler over one step). Each step
-continues the caches of `benchmarks.ops_attention` (filled to the benchmark's decode context). Writes
-`DIR/profile_attention.json`.
+continues the caches of `benchmarks.ops_attention` (filled to the benchmark's decode context). With `--prefill T`
+each step is instead the benchmark's prefill point (one fresh prompt of T tokens, no cache), in the device-metadata
+mode only, where the wall time is the GPU's. Writes `DIR/profile_attention.json`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import torch
 STEPS = 4
 BATCH = 64
 SMOKE_BATCH = 2
+SMOKE_PREFILL = 16
 MODES = ("device cu_seqlens, checks on", "host cu_seqlens, checks off")
+TOP_KERNELS = 12
 
 
 def profile_step(step: Any, device: str) -> dict[str, Any]:
@@ -51,11 +55,11 @@ def profile_step(step: Any, device: str) -> dict[str, Any]:
             "syncs": count("cudaStreamSynchronize", "cudaDeviceSynchronize"), "copies": count("cudaMemcpyAsync"),
             "aten_ops": sum(e.count for e in events if e.key.startswith("aten::")),
             "top_kernels": [(e.key[:60], e.count, round(e.device_time_total / 1e3, 3))
-                            for e in sorted(kernels, key=lambda e: -e.device_time_total)[:8]]}
+                            for e in sorted(kernels, key=lambda e: -e.device_time_total)[:TOP_KERNELS]]}
 
 
-def profile_mode(ctx: Any, env: Any, backend: str, host: bool, batch: int, steps: int) -> dict[str, Any]:
-    """Wall time per decode step and the profile of one more step, for one backend and metadata mode."""
+def decode_step(ctx: Any, env: Any, backend: str, host: bool, batch: int) -> Any:
+    """The next decode step of `batch` sequences continuing filled caches (each call one more token)."""
     import optimized
     from benchmarks import ops_attention
     from optimized.backends import value_checks
@@ -67,11 +71,26 @@ def profile_mode(ctx: Any, env: Any, backend: str, host: bool, batch: int, steps
     cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device="cpu" if host else device)
     seq0 = cache.sequences[0]
 
-    def step() -> torch.Tensor:  # the next decode step of every sequence
+    def step() -> torch.Tensor:
         positions = torch.full((batch,), seq0.next_position, dtype=torch.int64, device=device)
         with value_checks(not host):
             return layer(x, positions, cu_seqlens, cache)
 
+    return step
+
+
+def prefill_step(ctx: Any, env: Any, backend: str, tokens: int) -> Any:
+    """The benchmark's prefill point: one fresh prompt of `tokens` tokens."""
+    from benchmarks import ops_attention
+
+    candidate = next(c for c in ops_attention.attention_point(ctx, env, tokens).candidates if c.name == backend)
+    if candidate.build is None:
+        raise RuntimeError(f"{backend}: {candidate.na}")
+    return candidate.build()
+
+
+def profile_mode(step: Any, device: str, steps: int) -> dict[str, Any]:
+    """Wall time per step (after `steps` warm ones) and the profile of one more step."""
     for _ in range(steps):
         step()
     if device == "cuda":
@@ -84,7 +103,7 @@ def profile_mode(ctx: Any, env: Any, backend: str, host: bool, batch: int, steps
     return {"wall_ms": round((time.perf_counter() - started) / steps * 1e3, 2), **profile_step(step, device)}
 
 
-def run(config: str, device: str, batch: int, backends: list[str], smoke: bool) -> dict[str, Any]:
+def run(config: str, device: str, batch: int, backends: list[str], smoke: bool, prefill: int = 0) -> dict[str, Any]:
     from benchmarks import ops_attention
     from benchmarks.suite import Env
     from reference.config import get_config
@@ -92,9 +111,13 @@ def run(config: str, device: str, batch: int, backends: list[str], smoke: bool) 
     env = Env(get_config(config), device, smoke=smoke)
     ctx = ops_attention.setup(env)
     results: dict[str, Any] = {}
+    steps = 1 if smoke else STEPS
     for backend in backends:
-        for mode in MODES[1:] if smoke else MODES:
-            row = profile_mode(ctx, env, backend, mode.startswith("host"), batch, 1 if smoke else STEPS)
+        modes = MODES[:1] if prefill else MODES[1:] if smoke else MODES
+        for mode in modes:
+            step = (prefill_step(ctx, env, backend, prefill) if prefill
+                    else decode_step(ctx, env, backend, mode.startswith("host"), batch))
+            row = profile_mode(step, device, steps)
             results[f"{backend}: {mode}"] = row
             print(f"{backend:9s} {mode:30s} {row['wall_ms']:8.2f} ms wall, {row['kernels']} kernels "
                   f"({row['kernel_ms']} ms), {row['syncs']} syncs, {row['copies']} copies", flush=True)
@@ -107,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="FLASH", help="model config (default FLASH)")
     p.add_argument("--batch", type=int, default=BATCH, help=f"sequences, one token each (default {BATCH})")
     p.add_argument("--backends", default="triton,deepgemm", help="comma-separated optimized backends")
+    p.add_argument("--prefill", type=int, default=0, metavar="T",
+                   help="profile the prefill of one T-token prompt instead of a decode step (smoke: 16)")
     p.add_argument("--smoke", action="store_true", help="CPU: TINY, batch 2, host metadata, one step, no CUDA counts")
     args = p.parse_args(argv)
     if args.smoke:
@@ -117,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     else:
         config, device, batch, backends = args.config, "cuda", args.batch, args.backends.split(",")
-    results = run(config, device, batch, backends, args.smoke)
-    meta = {"config": config, "batch": batch, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    prefill = min(args.prefill, SMOKE_PREFILL) if args.smoke else args.prefill
+    results = run(config, device, batch, backends, args.smoke, prefill)
+    meta = {"config": config, "batch": batch, "prefill": prefill,
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "torch": torch.__version__, "steps": 1 if args.smoke else STEPS}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile_attention.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

@@ -106,6 +106,18 @@ def test_router_logits_split_over_the_hidden_dim_sum_to_the_fp32_logits() -> Non
 
 
 @needs_triton
+def test_router_logits_of_a_token_do_not_depend_on_the_batch_tiles() -> None:
+    """Decode batches (<= DECODE_TOKENS) use 16 experts per program, prefill 128: the same logits, bit for bit."""
+    from optimized.triton.moe_routing import DECODE_TOKENS, router_logits
+
+    x, gate = _x(DECODE_TOKENS + 3), _weights().gate
+    batch = router_logits(x, gate, n_split=2)
+    for t in (0, DECODE_TOKENS + 2):
+        alone = router_logits(x[t:t + 1], gate, n_split=2)
+        _assert_bitwise(int((alone[:, 0] != batch[:, t]).sum()), f"token {t}: logits alone vs in a prefill batch")
+
+
+@needs_triton
 @pytest.mark.parametrize("layer", [TOPK_LAYER, HASH_LAYER], ids=["topk", "hash"])
 def test_route_matches_the_reference_and_a_nan_token_keeps_valid_ids(layer: int) -> None:
     w = _weights(layer)
@@ -152,11 +164,13 @@ def _layout_oracle(ids: torch.Tensor, n_experts: int, align: int) -> tuple[torch
 
 
 @needs_triton
-def test_permute_places_each_slot_once_in_slot_order_inside_its_aligned_expert_segment() -> None:
+@pytest.mark.parametrize("tokens", [700, 21], ids=["33-chunks", "one-chunk"])
+def test_permute_places_each_slot_once_in_slot_order_inside_its_aligned_expert_segment(tokens: int) -> None:
     from optimized.triton.moe_permute import permute
 
     n_experts, align = 16, 64
-    ids = _random_ids(700, n_experts, 6, seed=5)  # 4200 slots: 33 chunks, two steps of the prefix-sum loop
+    # 700 x 6 = 4200 slots: 33 chunks, two steps of the prefix-sum loop; 21 x 6 = 126: the one-program kernel
+    ids = _random_ids(tokens, n_experts, 6, seed=5)
     layout = permute(ids, n_experts, align=align)
     want_rows, want_start = _layout_oracle(ids, n_experts, align)
     _assert_bitwise(int((layout.slot_row.long() != want_rows).sum()), "slot -> row")

@@ -12,6 +12,10 @@ computes that layout without atomics, so it is the same on every run:
                          the chunk's earlier slots of the same expert. Rows follow slot order inside
                          each expert, so the layout is a function of `topk_ids` alone.
 
+At most CHUNK slots (decode: FLASH T <= 21) take `_permute_chunk_kernel` instead: the same layout from one
+program, which also writes the padding rows' -1, so a decode step launches one kernel where it launched four
+(three and a fill).
+
 Then `gather_rows` copies quantized token rows into that layout (DeepGEMM's A operand, with its
 scales in DeepGEMM's MN-major TMA-aligned layout), and `combine` sums each token's k expert outputs in
 fp32 in ascending expert id, the order of `reference.moe.expert_sum`, plus optionally the shared
@@ -38,6 +42,8 @@ SKIPPED = tl.constexpr(-1)
 OVERFLOW = tl.constexpr(-2)
 # Slots per count / scatter program; the scatter ranks a chunk with a [CHUNK, CHUNK] comparison.
 CHUNK = 128
+# Rows per step of the one-chunk kernel's fill of the row maps.
+PERMUTE_BLOCK_R = 1024
 # Chunks per step of the single-program prefix sum ([OFFSETS_BLOCK_C, E_PAD] tiles).
 OFFSETS_BLOCK_C = 32
 # Row copy tiles: slots x bytes per program.
@@ -146,6 +152,55 @@ def _scatter_kernel(
         tl.store(row_expert_ptr + row, eid, mask=placed)
 
 
+@triton.jit
+def _permute_chunk_kernel(
+    ids_ptr, expert_start_ptr, expert_count_ptr, slot_row_ptr, rows_ptr,
+    n_slots, n_experts, n_rows, align, capacity,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_R: tl.constexpr, WRITE_ROWS: tl.constexpr,
+):
+    """The three kernels above for a single chunk (chunk bases 0), in one program; with WRITE_ROWS, every row of
+    `rows` = [sorted_slot; row_expert] ([2, n_rows], contiguous) is written (padding rows -1, as the fill before the
+    three kernels)."""
+    lane = tl.arange(0, CHUNK)
+    in_range = lane < n_slots
+    eid = tl.load(ids_ptr + lane, mask=in_range, other=-1)
+    ok = in_range & (eid >= 0) & (eid < n_experts)
+    e = tl.where(ok, eid, 0)
+    # counts and segments (`_offsets_kernel`)
+    offs_e = tl.arange(0, E_PAD)
+    e_ok = offs_e < n_experts
+    count = tl.histogram(e, E_PAD, mask=ok)
+    if capacity > 0:
+        start = offs_e * capacity
+        used = n_experts * capacity
+        tl.store(expert_count_ptr + offs_e, tl.minimum(count, capacity), mask=e_ok)
+    else:
+        padded = (count + align - 1) // align * align
+        start = tl.cumsum(padded, axis=0) - padded
+        used = tl.sum(padded, axis=0)
+        tl.store(expert_count_ptr + offs_e, count, mask=e_ok)
+    tl.store(expert_start_ptr + offs_e, start, mask=e_ok)
+    tl.store(expert_start_ptr + n_experts, used)
+    # the program's own stores are visible to all its threads after the barrier (CUDA __syncthreads; on ROCm a
+    # workgroup fence around s_barrier): each slot reads its expert's start back instead of a [CHUNK, E] pick
+    tl.debug_barrier()
+    # rows (`_scatter_kernel`): the start of the slot's expert plus its rank among the earlier slots of that expert
+    earlier = (eid[:, None] == eid[None, :]) & ok[None, :] & (lane[None, :] < lane[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    own_start = tl.load(expert_start_ptr + e, mask=ok, other=0)
+    placed = tl.where(capacity == 0, ok, ok & (rank < capacity))
+    row = own_start + rank
+    tl.store(slot_row_ptr + lane, tl.where(placed, row, tl.where(ok, OVERFLOW, SKIPPED)), mask=in_range)
+    if WRITE_ROWS:
+        # padding rows hold -1: fill every row, then (after a barrier: other threads wrote the fill) the placed ones
+        for r0 in range(0, 2 * n_rows, BLOCK_R):
+            entries = r0 + tl.arange(0, BLOCK_R)
+            tl.store(rows_ptr + entries, tl.full([BLOCK_R], -1, tl.int32), mask=entries < 2 * n_rows)
+        tl.debug_barrier()
+        tl.store(rows_ptr + row, lane, mask=placed)
+        tl.store(rows_ptr + n_rows + row, eid, mask=placed)
+
+
 def permute(
     topk_ids: torch.Tensor, n_experts: int, *, align: int = 0, capacity: int = 0, write_rows: bool = True,
 ) -> MoeLayout:
@@ -175,13 +230,22 @@ def permute(
         n_rows = triton.cdiv(n_slots + min(n_experts, n_slots) * (align - 1), align) * align
     e_pad = triton.next_power_of_2(n_experts)
     n_chunks = triton.cdiv(n_slots, CHUNK)
-    counts = torch.empty((n_chunks, e_pad), dtype=torch.int32, device=device)
-    chunk_base = torch.empty_like(counts)
+    ids = topk_ids.reshape(-1)
     expert_start = torch.empty(n_experts + 1, dtype=torch.int32, device=device)
     expert_count = torch.empty(n_experts, dtype=torch.int32, device=device)
     slot_row = torch.empty(n_slots, dtype=torch.int32, device=device)
+    if n_chunks == 1:
+        rows = torch.empty((2, n_rows), dtype=torch.int32, device=device) if write_rows else None
+        _permute_chunk_kernel[(1,)](
+            ids, expert_start, expert_count, slot_row, rows if rows is not None else slot_row,
+            n_slots, n_experts, n_rows, align, capacity,
+            CHUNK=CHUNK, E_PAD=e_pad, BLOCK_R=PERMUTE_BLOCK_R, WRITE_ROWS=write_rows, num_warps=8,
+        )
+        return MoeLayout(slot_row, rows[0] if rows is not None else None, rows[1] if rows is not None else None,
+                         expert_start, expert_count, n_rows, align, capacity)
+    counts = torch.empty((n_chunks, e_pad), dtype=torch.int32, device=device)
+    chunk_base = torch.empty_like(counts)
     rows = torch.full((2, n_rows), -1, dtype=torch.int32, device=device) if write_rows else None
-    ids = topk_ids.reshape(-1)
     if n_chunks:
         _count_kernel[(n_chunks,)](ids, counts, n_slots, n_experts, CHUNK=CHUNK, E_PAD=e_pad)
     _offsets_kernel[(1,)](counts, chunk_base, expert_start, expert_count, n_chunks, n_experts, align, capacity,
@@ -342,6 +406,15 @@ AOT_SPECS = [
                  "sorted_slot_ptr": "*i32", "row_expert_ptr": "*i32", "n_slots": _I32, "n_experts": _I32,
                  "capacity": _I32},
                 {"CHUNK": CHUNK, "E_PAD": triton.next_power_of_2(e), "WRITE_ROWS": rows}, num_warps=8)
+        for e in (256, 384) for rows in (True, False)
+    ),
+    *(
+        AotSpec(f"moe_permute_chunk[E={e},rows={rows}]", _permute_chunk_kernel,
+                {"ids_ptr": "*i32", "expert_start_ptr": "*i32", "expert_count_ptr": "*i32", "slot_row_ptr": "*i32",
+                 "rows_ptr": "*i32", "n_slots": _I32, "n_experts": _I32, "n_rows": _I32, "align": _I32,
+                 "capacity": _I32},
+                {"CHUNK": CHUNK, "E_PAD": triton.next_power_of_2(e), "BLOCK_R": PERMUTE_BLOCK_R, "WRITE_ROWS": rows},
+                num_warps=8, aligned=("ids_ptr", "slot_row_ptr", "rows_ptr"))
         for e in (256, 384) for rows in (True, False)
     ),
     AotSpec("moe_gather_rows", _gather_rows_kernel,

@@ -3,9 +3,9 @@
 Two kernels:
   * `_router_logits_kernel` — `l = x W_gate^T` with fp32 accumulation. x and W_gate are bf16, so every
     product is exact in fp32 (8 + 8 significant bits) and a bf16 x bf16 -> fp32 `tl.dot` computes the
-    official "upcast both to fp32, then matmul" up to the fp32 summation order. For few tokens (decode)
-    the hidden dim is split over programs (`n_split` partial sums, added in a fixed order by the next
-    kernel: deterministic, no atomics), so the gate weight streams over many SMs.
+    official "upcast both to fp32, then matmul" up to the fp32 summation order. The hidden dim is split
+    over programs (`n_split` partial sums, added in a fixed order by the next kernel: deterministic, no
+    atomics), and for few tokens (decode) so are the experts, so the gate weight streams over many SMs.
   * `_router_topk_kernel` — per token: `s = sqrt(softplus(l))`, select the top-k of `s + bias` (ties ->
     lower expert id, as `reference.moe.route`), or take `tid2eid[token_id]` on hash layers; weights are
     the selected *unbiased* scores over their sum, times `route_scale`.
@@ -25,15 +25,21 @@ from optimized.backends import detect
 from optimized.triton._fp8 import prepare_interpreter
 from optimized.triton.aot import AotSpec
 
-# Logits GEMM tiles, the same at every token count, so that a token's logits do not depend on the batch it is in
-# (batch invariance, `parity_tests.invariance`: the H200 run of 2026-12-02 caught the earlier token-count-dependent
-# split changing routing weights by an ulp): 16 tokens per program (the smallest `tl.dot` M), and the hidden dim
-# split into LOGITS_SPLITS slices whose fp32 partial sums the top-k kernel adds in order. Decode streams the gate
-# weight (E x D bf16, 2-5.5 MB) with E/128 x 8 programs; at prefill the [8, T, E] fp32 partials (64 MB at T=8192
-# on FLASH) cost tens of microseconds next to a MoE step of milliseconds.
+# Logits GEMM tiles. The hidden-dim split and the K steps are the same at every token count, so that a token's
+# logits do not depend on the batch it is in (batch invariance, `parity_tests.invariance`: the H200 run of
+# 2026-12-02 caught an earlier token-count-dependent split changing routing weights by an ulp): 16 tokens per
+# program (the smallest `tl.dot` M), and the hidden dim split into LOGITS_SPLITS slices whose fp32 partial sums the
+# top-k kernel adds in order. The experts per program do not change a logit (each output element is its own dot
+# over the same K steps), so they follow the token count: up to DECODE_TOKENS tokens, 16 experts per program
+# stream the gate weight (E x D bf16, 2-5.5 MB) with E/16 x 8 programs (FLASH: 128, one wave; with 128 experts
+# per program, 16 programs took 16 us at T = 1 in the H200 benchmark of 2026-12-03); at prefill 128 experts per
+# program read each token tile only E/128 times. The [8, T, E] fp32 partials (64 MB at T=8192 on FLASH) cost tens
+# of microseconds next to a MoE step of milliseconds.
 LOGITS_BLOCK_T = 16
 LOGITS_SPLITS = 8
 LOGITS_BLOCK_E = 128
+DECODE_BLOCK_E = 16
+DECODE_TOKENS = 64
 LOGITS_BLOCK_D = 128
 LOGITS_WARPS, LOGITS_STAGES = 4, 2
 # Tokens per top-k program (each holds a [BLOCK_T, next_pow2(E)] fp32 tile).
@@ -170,8 +176,9 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | Non
     n_tokens, dim = x.shape
     n_experts = gate_weight.shape[0]
     block_t = INTERPRET_BLOCK_T if interpret else LOGITS_BLOCK_T
+    block_e = DECODE_BLOCK_E if n_tokens <= DECODE_TOKENS else LOGITS_BLOCK_E
     t_blocks = triton.cdiv(n_tokens, block_t)
-    e_blocks = triton.cdiv(n_experts, LOGITS_BLOCK_E)
+    e_blocks = triton.cdiv(n_experts, block_e)
     d_blocks = dim // LOGITS_BLOCK_D
     if n_split is None:
         n_split = 1 if interpret else max(s for s in range(1, LOGITS_SPLITS + 1) if d_blocks % s == 0)
@@ -181,7 +188,7 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | Non
     _router_logits_kernel[(t_blocks, e_blocks, n_split)](
         x, gate_weight, out, n_tokens, n_experts,
         x.stride(0), gate_weight.stride(0), out.stride(0), out.stride(1),
-        D_PER_SPLIT=dim // n_split, BLOCK_T=block_t, BLOCK_E=LOGITS_BLOCK_E, BLOCK_D=LOGITS_BLOCK_D,
+        D_PER_SPLIT=dim // n_split, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=LOGITS_BLOCK_D,
         num_warps=LOGITS_WARPS, num_stages=LOGITS_STAGES,
     )
     return out
@@ -225,14 +232,14 @@ def router_topk(
 AOT_SPECS = [
     *(
         AotSpec(
-            f"router_logits[BLOCK_T={block_t},split={split}]", _router_logits_kernel,
+            f"router_logits[BLOCK_E={block_e},split={split}]", _router_logits_kernel,
             {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
              "stride_xt": "i32", "stride_we": "i32", "stride_os": "i32", "stride_ot": "i32"},
-            {"D_PER_SPLIT": 4096 // split, "BLOCK_T": block_t, "BLOCK_E": LOGITS_BLOCK_E, "BLOCK_D": LOGITS_BLOCK_D},
+            {"D_PER_SPLIT": 4096 // split, "BLOCK_T": LOGITS_BLOCK_T, "BLOCK_E": block_e, "BLOCK_D": LOGITS_BLOCK_D},
             num_warps=LOGITS_WARPS, num_stages=LOGITS_STAGES,
             aligned=("x_ptr", "w_ptr", "out_ptr", "stride_xt", "stride_we", "stride_os", "stride_ot"),
         )
-        for block_t, split in ((LOGITS_BLOCK_T, LOGITS_SPLITS), (LOGITS_BLOCK_T, 1))
+        for block_e, split in ((DECODE_BLOCK_E, LOGITS_SPLITS), (LOGITS_BLOCK_E, LOGITS_SPLITS), (LOGITS_BLOCK_E, 1))
     ),
     *(
         AotSpec(
