@@ -366,6 +366,25 @@ def test_experts_edge_cases_no_token_one_token_one_hot_expert_set_skips_and_repe
 
 
 @needs_triton
+@pytest.mark.parametrize("numerics", [OFFICIAL, MEGAMOE], ids=["official", "megamoe"])
+def test_decode_gate_up_gemms_that_quantize_the_tokens_themselves_give_the_same_bytes(
+        numerics: Numerics, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to FUSED_QUANT_TOKENS tokens the gate/up GEMMs quantize x in their K loop instead of an act_quant launch:
+    the same FP8 operand and scales, so the same MoE output bit for bit (NaN token included)."""
+    from optimized.triton import moe_pipeline
+
+    w = _weights()
+    x = _x(5)
+    x[2, 7] = float("nan")
+    fused = omoe.moe(x, w, token_ids=None, cfg=SMALL, numerics=numerics, backend="triton")
+    monkeypatch.setattr(moe_pipeline, "FUSED_QUANT_TOKENS", 0)
+    separate = omoe.moe(x, w, token_ids=None, cfg=SMALL, numerics=numerics, backend="triton")
+    same = (fused == separate) | (fused.isnan() & separate.isnan())
+    _assert_bitwise(int((~same).sum()), "moe with the quantization inside the gate/up GEMMs vs act_quant first")
+    assert bool(fused[2].isnan().all()) and bool(fused[torch.arange(5) != 2].isfinite().all())
+
+
+@needs_triton
 def test_a_nan_token_stays_nan_and_reaches_no_other_token() -> None:
     w = _weights()
     x = _x(7)
