@@ -157,33 +157,22 @@ def _fp8_einsum_kernel(
         sb_ptrs = sb_ptr + h * stride_sbh + (offs_n // GRAN_N) * stride_sbn
 
     kb_start = split * SCALE_BLOCKS_PER_SPLIT  # the slices cut K evenly
-    # The scales of each K block are loaded one block ahead (`sa_next`, `sb_next`): loaded inside the step that
-    # uses them, they were a dependent global load after every dot (the compiler does not pipeline them), which
-    # the promotion waited for (sm_90 TTGIR of 2026-12-03).
-    sa_next = tl.load(sa_ptrs + kb_start * stride_sak, mask=m_ok, other=0.0)
-    if TILE_SHARES_SB:
-        sb_next = tl.load(sb_ptrs + (kb_start * SCALE_K // 128) * stride_sbk)
-    else:
-        sb_next = tl.load(sb_ptrs + (kb_start * SCALE_K // 128) * stride_sbk, mask=n_ok, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, SCALE_BLOCKS_PER_SPLIT):
         k0 = (kb_start + i) * SCALE_K
-        sa = sa_next
-        sb = sb_next
-        kb_next = kb_start + tl.minimum(i + 1, SCALE_BLOCKS_PER_SPLIT - 1)
-        sa_next = tl.load(sa_ptrs + kb_next * stride_sak, mask=m_ok, other=0.0)
-        if TILE_SHARES_SB:
-            sb_next = tl.load(sb_ptrs + (kb_next * SCALE_K // 128) * stride_sbk)
-        else:
-            sb_next = tl.load(sb_ptrs + (kb_next * SCALE_K // 128) * stride_sbk, mask=n_ok, other=0.0)
+        # FP8 x FP8 -> fp32 over one scale block of K (one dot, or SCALE_K / BLOCK_K of them)
         block_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in tl.static_range(0, SCALE_K, BLOCK_K):
             a = tl.load(a_ptrs + (k0 + kk), mask=m_ok[:, None], other=0.0)
             b = tl.load(b_ptrs + (k0 + kk), mask=n_ok[:, None], other=0.0)
             block_acc = tl.dot(a, tl.trans(b), block_acc)
+        sa = tl.load(sa_ptrs + (kb_start + i) * stride_sak, mask=m_ok, other=0.0)
+        # promotion into the fp32 main accumulator (power-of-two scales: the products are exact)
         if TILE_SHARES_SB:
+            sb = tl.load(sb_ptrs + (k0 // 128) * stride_sbk)
             acc += block_acc * (sa * sb)[:, None]
         else:
+            sb = tl.load(sb_ptrs + (k0 // 128) * stride_sbk, mask=n_ok, other=0.0)
             acc += block_acc * (sa[:, None] * sb[None, :])
 
     c_ptrs = (c_ptr + split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm

@@ -20,12 +20,6 @@ gate/up -> bf16 (`gate_up_bf16`), g = min(gate, L), u = clamp(up, -L, L), a = si
 a *= routing weight, a -> bf16, per-`act_block` UE8M0 FP8 quantization -> the down GEMM's A operand and
 its scales, written directly. Down GEMM (`swiglu=False`): bf16 output rows.
 
-At decode (`quantize_a`) the gate/up GEMM also does the activation quantization: A is the bf16 token rows and
-each K step quantizes its [BLOCK_M, ACT_BLOCK] tile with the per-token kernel's own functions
-(`quant._block_scale`, `quant._quantize_rows`), so the FP8 operand and its scales are those `act_quant` writes,
-bit for bit, and the step launches one kernel fewer. Every N tile repeats that work, which is why it stops at
-a few tokens (`moe_pipeline.FUSED_QUANT_TOKENS`).
-
 `swiglu_quant` is the same epilogue as a kernel of its own, for DeepGEMM's grouped GEMMs (which write
 gate/up as bf16): it reads gate/up rows, writes FP8 rows and scales in DeepGEMM's MN-major layout.
 
@@ -53,8 +47,6 @@ from optimized.triton._fp8 import (
 )
 from optimized.triton.aot import ALL_TARGETS, PLATFORM_TARGETS, AotSpec
 from optimized.triton.moe_permute import MoeLayout
-from optimized.triton.quant import _block_scale
-from optimized.triton.quant import _quantize_rows as _quantize_act
 from reference.formats import ACT_EPS, FP8Format, fp8_format
 from reference.weights import FP8_WEIGHT_BLOCK
 
@@ -154,15 +146,13 @@ def _grouped_gemm_kernel(
     stride_om, stride_osm, stride_osk,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr,
     GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    A_FP8: tl.constexpr, QUANT_A: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_BF16: tl.constexpr,
-    ACT_BLOCK: tl.constexpr,
+    A_FP8: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_BF16: tl.constexpr, ACT_BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr,
 ):
     """out[rows, n-tile] of one expert: load tiles, block-scaled accumulate, epilogue, store.
 
     BLOCK_K = ACT_BLOCK for FP8 A (one activation scale per K step), 128 for bf16 A (one weight scale).
-    QUANT_A (with A_FP8): A holds bf16 rows, quantized here one K step at a time.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -199,33 +189,18 @@ def _grouped_gemm_kernel(
 
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # The scales of each K step are loaded one step ahead (`*_next`): loaded in the step that uses them, they were
-    # dependent global loads between the dots (the compiler does not pipeline them; sm_90 TTGIR of 2026-12-03).
-    LOAD_SA: tl.constexpr = A_FP8 and not QUANT_A
-    sa_next = tl.load(a_scale_ptr + a_rows * stride_asm, mask=valid, other=0.0) if LOAD_SA else weight
-    sg_next = tl.load(sg_ptrs)
-    su_next = tl.load(su_ptrs) if SWIGLU else sg_next
     for k0 in range(0, K, BLOCK_K):
-        sa, sg, su = sa_next, sg_next, su_next
-        k1 = tl.minimum(k0 + BLOCK_K, K - BLOCK_K)
-        if LOAD_SA:
-            sa_next = tl.load(a_scale_ptr + a_rows * stride_asm + (k1 // ACT_BLOCK) * stride_ask, mask=valid, other=0.0)
-        sg_next = tl.load(sg_ptrs + (k1 // WEIGHT_BLOCK) * stride_wsk)
-        if SWIGLU:
-            su_next = tl.load(su_ptrs + (k1 // WEIGHT_BLOCK) * stride_wsk)
-        if QUANT_A:  # act_quant of this K step's [BLOCK_M, ACT_BLOCK] tile, as the per-token kernel does it
-            x = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0).to(tl.float32)
-            sa = _block_scale(x, FP8_MAX, EPS)
-            a = _quantize_act(x, sa, w_ptr.dtype.element_ty, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
-        else:
-            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+        a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
         wg = tl.load(wg_ptrs + k0)
+        sg = tl.load(sg_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
         if A_FP8:
+            sa = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // ACT_BLOCK) * stride_ask, mask=valid, other=0.0)
             acc_g += tl.dot(a, wg) * sa[:, None] * sg[None, :]
         else:  # EXACT: bf16 activation x the weight's FP8 values (exact in bf16); fp32 products and sums
             acc_g += tl.dot(a, wg.to(tl.bfloat16)) * sg[None, :]
         if SWIGLU:
             wu = tl.load(wu_ptrs + k0)
+            su = tl.load(su_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
             if A_FP8:
                 acc_u += tl.dot(a, wu) * sa[:, None] * su[None, :]
             else:
@@ -251,7 +226,7 @@ def grouped_gemm(
     a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor, *,
     layout: MoeLayout | None, config: GemmConfig, swiglu: bool, numerics_fmt: str | FP8Format,
     act_block: int, topk: int = 1, gather: bool = False, topk_weights: torch.Tensor | None = None,
-    limit: float = float("inf"), gate_up_bf16: bool = True, quantize_a: bool = False,
+    limit: float = float("inf"), gate_up_bf16: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One grouped (or, with `layout=None`, plain) block-FP8 GEMM launch; shapes are validated by the caller.
 
@@ -268,7 +243,6 @@ def grouped_gemm(
         topk_weights: [T * k] fp32 routing weights by slot (gate/up GEMM of routed experts), or None.
         limit: SwiGLU clamp (+inf: none).
         gate_up_bf16: round gate/up to bf16 before the clamp.
-        quantize_a: `a` is bf16 (`a_scale` None) and the kernel quantizes it per `act_block` (the FP8 path).
 
     Returns:
         out: gate/up: [rows, N] FP8 (bf16 when `a` is bf16); down: [rows, N] bf16.
@@ -276,7 +250,7 @@ def grouped_gemm(
     """
     prepare_interpreter()
     fmt = fp8_format(numerics_fmt)
-    a_fp8 = a.dtype == fmt.dtype or quantize_a
+    a_fp8 = a.dtype == fmt.dtype
     if layout is not None and layout.align != config.block_m:
         raise ValueError(f"layout: rows aligned to {layout.align}, but the GEMM's BLOCK_M is {config.block_m}")
     n_rows = layout.n_rows if layout is not None else a.shape[0]
@@ -291,16 +265,15 @@ def grouped_gemm(
     dummy = out
     grid = (triton.cdiv(n_rows, config.block_m), n_out // config.block_n)
     _grouped_gemm_kernel[grid](
-        a, a_scale if a_fp8 and not quantize_a else dummy, w, w_scale, out, out_scale if out_fp8 else dummy,
+        a, a_scale if a_fp8 else dummy, w, w_scale, out, out_scale if out_fp8 else dummy,
         layout.sorted_slot if layout is not None else dummy, layout.row_expert if layout is not None else dummy,
         topk_weights if topk_weights is not None else dummy,
         n_rows, float(limit),
-        a.stride(0), *(a_scale.stride() if a_fp8 and not quantize_a else (0, 0)),
+        a.stride(0), a_scale.stride(0) if a_fp8 else 0, a_scale.stride(1) if a_fp8 else 0,
         w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
         out.stride(0), out_scale.stride(0) if out_fp8 else 0, out_scale.stride(1) if out_fp8 else 0,
         K=k_dim, N=n_out, TOPK=topk, GROUPED=layout is not None, GATHER=gather, SWIGLU=swiglu,
-        HAS_WEIGHT=topk_weights is not None, A_FP8=a_fp8, QUANT_A=quantize_a, OUT_FP8=out_fp8,
-        GATE_UP_BF16=gate_up_bf16,
+        HAS_WEIGHT=topk_weights is not None, A_FP8=a_fp8, OUT_FP8=out_fp8, GATE_UP_BF16=gate_up_bf16,
         ACT_BLOCK=act_block, BLOCK_K=act_block if a_fp8 else FP8_WEIGHT_BLOCK, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, **fp8_constants(fmt),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -386,8 +359,8 @@ def _gemm_signature(a: str) -> dict[str, str]:
 
 
 def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, grouped: bool,
-              act_block: int = 128, targets: tuple[str, ...] = ALL_TARGETS, quant_a: bool = False) -> AotSpec:
-    signature = _gemm_signature("*bf16" if quant_a else "*{fp8}")
+              act_block: int = 128, targets: tuple[str, ...] = ALL_TARGETS) -> AotSpec:
+    signature = _gemm_signature("*{fp8}")
     if not swiglu:
         signature["out_ptr"] = "*bf16"
     aligned = ("a_ptr", "a_scale_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "out_scale_ptr", "sorted_slot_ptr",
@@ -396,25 +369,17 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
     return AotSpec(
         name, _grouped_gemm_kernel, signature,
         {"K": k, "N": n, "TOPK": 6 if grouped else 1, "GROUPED": grouped, "GATHER": grouped and swiglu,
-         "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "QUANT_A": quant_a, "OUT_FP8": swiglu,
-         "GATE_UP_BF16": True,
+         "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "OUT_FP8": swiglu, "GATE_UP_BF16": True,
          "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n},
         fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned, targets=targets,
     )
 
 
-# FLASH shapes (D 4096, I 2048): decode and prefill tiles of both GEMMs, routed and shared; the decode gate/up
-# GEMMs also with the activation quantization inside (T <= FUSED_QUANT_TOKENS).
+# FLASH shapes (D 4096, I 2048): decode and prefill tiles of both GEMMs, routed and shared.
 AOT_SPECS = [
     *(
-        _aot_gemm(f"moe_gate_up[rows/expert=1,{platform},quant_a={quant_a}]",
-                  choose_config(1, 2048, True, platform=platform), 4096, 2048, True, True, targets=targets,
-                  quant_a=quant_a)
-        for platform, targets in PLATFORM_TARGETS.items() for quant_a in (False, True)
-    ),
-    *(
-        _aot_gemm(f"moe_shared_gate_up[T=1,{platform},quant_a=True]", choose_config(1, 2048, True, platform=platform),
-                  4096, 2048, True, False, targets=targets, quant_a=True)
+        _aot_gemm(f"moe_gate_up[rows/expert=1,{platform}]", choose_config(1, 2048, True, platform=platform), 4096,
+                  2048, True, True, targets=targets)
         for platform, targets in PLATFORM_TARGETS.items()
     ),
     _aot_gemm("moe_gate_up[rows/expert=128]", choose_config(128, 2048, True), 4096, 2048, True, True),

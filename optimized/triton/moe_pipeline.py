@@ -7,10 +7,6 @@
     moe:      route -> experts' rows + the shared expert (the same two GEMMs, ungrouped, on the same
               quantized x) -> combine (the shared output added in fp32 before the one bf16 cast)
 
-Up to FUSED_QUANT_TOKENS tokens (decode) the gate/up GEMMs quantize the token rows themselves (the same FP8
-bytes and scales) instead of a separate act_quant launch: at T = 1 the step is a chain of short kernels whose
-launch gaps cost as much as their work. Above that, every N tile would repeat the quantization of its rows.
-
 Inputs are validated by `optimized.moe` (the public API) before these run; every function here
 returns without launching a kernel when T = 0.
 """
@@ -29,8 +25,6 @@ from reference.config import DSv4Config
 from reference.moe import MoEWeights
 from reference.numerics import Numerics
 from reference.weights import Fp4Weight, Fp8Weight
-
-FUSED_QUANT_TOKENS = 16
 
 
 def clamp_limit(swiglu_limit: float) -> float:
@@ -60,22 +54,14 @@ def activation(x: torch.Tensor, numerics: Numerics, scale_layout: str = "row_maj
     return quantize_per_token(x, numerics.act_block, numerics.fp8_format, scale_layout=scale_layout)
 
 
-def gemm_activation(x: torch.Tensor, numerics: Numerics) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """(a, a_scale, quantize_a) for the Triton GEMMs: `activation(x)`, or at decode x itself with
-    `quantize_a=True` (the gate/up GEMMs quantize it)."""
-    if numerics.act_quant and x.shape[0] <= FUSED_QUANT_TOKENS:
-        return x, None, True
-    return *activation(x, numerics), False
-
-
 def routed_rows(
     a: torch.Tensor, a_scale: torch.Tensor | None, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13: Fp8Weight, w2: Fp8Weight, *, swiglu_limit: float, numerics: Numerics, quantize_a: bool = False,
+    w13: Fp8Weight, w2: Fp8Weight, *, swiglu_limit: float, numerics: Numerics,
 ) -> tuple[torch.Tensor, MoeLayout]:
     """The routed experts' outputs, one bf16 row per (token, slot) in the expert-sorted layout.
 
     Args:
-        a, a_scale, quantize_a: the activation of `gemm_activation(x)`.
+        a, a_scale: the activation of `activation(x)`.
         topk_ids: [T, k] int32 contiguous; topk_weights: [T, k] fp32 contiguous.
         w13, w2: [E, 2I, D] and [E, D, I] FP8 experts in `numerics.fp8_format`.
 
@@ -94,16 +80,16 @@ def routed_rows(
     common = {"layout": layout, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
     h, h_scale = grouped_gemm(a, a_scale, w13.data, w13.scale, config=gate_up, swiglu=True, topk=topk, gather=True,
                               topk_weights=topk_weights.reshape(-1), limit=clamp_limit(swiglu_limit),
-                              gate_up_bf16=numerics.gate_up_bf16, quantize_a=quantize_a, **common)
+                              gate_up_bf16=numerics.gate_up_bf16, **common)
     y, _ = grouped_gemm(h, h_scale, w2.data, w2.scale, config=down, swiglu=False, **common)
     return y, layout
 
 
 def shared_rows(
     a: torch.Tensor, a_scale: torch.Tensor | None, w13: Fp8Weight, w2: Fp8Weight, *, swiglu_limit: float,
-    numerics: Numerics, quantize_a: bool = False,
+    numerics: Numerics,
 ) -> torch.Tensor:
-    """The shared expert (`reference.moe.shared_expert`) on the quantized tokens (`gemm_activation`): [T, D] bf16."""
+    """The shared expert (`reference.moe.shared_expert`) on the quantized tokens: [T, D] bf16."""
     n_tokens = a.shape[0]
     limit = clamp_limit(swiglu_limit if numerics.shared_expert_clamp else 0.0)
     common = {"layout": None, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
@@ -111,7 +97,7 @@ def shared_rows(
     gate_up = choose_config(n_tokens, w13.data.shape[0] // 2, swiglu=True, interpret=interpret, platform=platform)
     down = choose_config(n_tokens, w2.data.shape[0], swiglu=False, interpret=interpret, platform=platform)
     h, h_scale = grouped_gemm(a, a_scale, w13.data[None], w13.scale[None], config=gate_up, swiglu=True, limit=limit,
-                              gate_up_bf16=numerics.gate_up_bf16, quantize_a=quantize_a, **common)
+                              gate_up_bf16=numerics.gate_up_bf16, **common)
     y, _ = grouped_gemm(h, h_scale, w2.data[None], w2.scale[None], config=down, swiglu=False, **common)
     return y
 
@@ -127,9 +113,9 @@ def experts(
         return torch.empty_like(x)
     w13, w2 = fp8_experts(w13, w2, numerics.fp8_format)
     ids = topk_ids.to(torch.int32).contiguous()
-    a, a_scale, quantize_a = gemm_activation(x, numerics)
+    a, a_scale = activation(x, numerics)
     y, layout = routed_rows(a, a_scale, ids, topk_weights.float().contiguous(), w13, w2,
-                            swiglu_limit=swiglu_limit, numerics=numerics, quantize_a=quantize_a)
+                            swiglu_limit=swiglu_limit, numerics=numerics)
     return combine(y, layout, ids)
 
 
@@ -143,9 +129,8 @@ def moe(
         return torch.empty_like(x)
     w13, w2 = fp8_experts(weights.w13, weights.w2, numerics.fp8_format)
     ids, topk_weights = route(x, weights.gate, weights.bias, token_ids=token_ids, tid2eid=weights.tid2eid, cfg=cfg)
-    a, a_scale, quantize_a = gemm_activation(x, numerics)
-    y, layout = routed_rows(a, a_scale, ids, topk_weights, w13, w2, swiglu_limit=cfg.swiglu_limit, numerics=numerics,
-                            quantize_a=quantize_a)
+    a, a_scale = activation(x, numerics)
+    y, layout = routed_rows(a, a_scale, ids, topk_weights, w13, w2, swiglu_limit=cfg.swiglu_limit, numerics=numerics)
     shared = shared_rows(a, a_scale, weights.shared_w13, weights.shared_w2, swiglu_limit=cfg.swiglu_limit,
-                         numerics=numerics, quantize_a=quantize_a)
+                         numerics=numerics)
     return combine(y, layout, ids, shared)
