@@ -3,6 +3,7 @@
     dsv4-bench                                  # GPU: FLASH and PRO, all ops, all token counts
     dsv4-bench --ops einsum,routed_moe --config FLASH --tokens 128,4096
     dsv4-bench --cpu-smoke                      # TINY on the CPU (Triton interpreter): proves the code paths
+    dsv4-bench --compare OLD/bench.json NEW/bench.json   # what got slower / faster (benchmarks.compare)
 
 Without a GPU the smoke mode is chosen by itself. Writes BENCHMARKS.md, bench.json and one PNG per op family
 into `--out`. Exits 0 when every candidate ran or was reported n/a / skipped with its reason (targets that are
@@ -59,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-workers", type=int, default=None,
                    help=f"parallel JIT warm-up processes before timing (default: one per family and config, at most "
                         f"{MAX_WARMUP_WORKERS}, on a GPU; 0 in the CPU smoke mode)")
+    p.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"), type=Path, default=None,
+                   help="compare two bench.json reports instead of running; exit 1 when a CUDA-graph timing got "
+                        "slower by more than --threshold")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="with --compare: the slowdown that fails, as a fraction (default 0.10; why in "
+                        "benchmarks/compare.py)")
     p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)  # a warm-up process
     return p
 
@@ -66,6 +73,17 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    if args.compare:
+        from benchmarks.compare import DEFAULT_THRESHOLD, compare
+
+        try:
+            return compare(*args.compare, threshold=DEFAULT_THRESHOLD if args.threshold is None else args.threshold)
+        except ValueError as exc:
+            print(f"dsv4-bench: {exc}", file=sys.stderr)
+            return 2
+    if args.threshold is not None:
+        print("dsv4-bench: --threshold goes with --compare", file=sys.stderr)
+        return 2
     smoke = args.cpu_smoke or not torch.cuda.is_available()
     if smoke:
         # The Triton backend runs in the CPU interpreter; the kernels read this when they are first imported.

@@ -350,3 +350,31 @@ def test_tile_sweeps_and_the_layer_profile_run_in_cpu_smoke_mode(module: str, ar
         assert report["results"] and all(r["wall_ms"] > 0 and r["aten_ops"] > 0 for r in report["results"].values())
     else:
         assert report["results"] and all(r["ok"] for r in report["results"]), report["results"]
+
+
+def _bench_json(path: Path, rows: list[tuple[str, int, float, bool]], copy_tbps: float = 4.2) -> Path:
+    """A minimal bench.json: (op, tokens, seconds, graph) rows of the triton candidate at FLASH."""
+    results = [{"op": op, "config": "FLASH", "tokens": t, "shape": f"T={t}", "candidate": "triton", "status": "ok",
+                "time_s": s, "graph": graph} for op, t, s, graph in rows]
+    path.write_text(json.dumps({"roofline": {"copy_tbps": copy_tbps}, "results": results}))
+    return path
+
+
+def test_compare_gates_on_graph_timings_slower_past_the_threshold_only(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    from benchmarks.__main__ import main
+
+    old = _bench_json(tmp_path / "old.json", [("a", 1, 100e-6, True), ("b", 1, 100e-6, True), ("c", 1, 100e-6, False),
+                                              ("d", 1, 5e-6, True), ("gone", 1, 1e-3, True)])
+    same = _bench_json(tmp_path / "same.json", [("a", 1, 105e-6, True), ("b", 1, 80e-6, True),
+                                                ("c", 1, 300e-6, False), ("d", 1, 6.5e-6, True)])
+    assert main(["--compare", str(old), str(same)]) == 0  # 5 % noise, a speed-up, eager drift, +1.5 us on 5 us
+    out = capsys.readouterr().out
+    assert "faster by more than 10%" in out and "not gating" in out and "slower by more than" not in out
+    slower = _bench_json(tmp_path / "slower.json", [("a", 1, 120e-6, True)], copy_tbps=3.0)
+    assert main(["--compare", str(old), str(slower)]) == 1
+    out = capsys.readouterr().out
+    assert "a FLASH T=1 triton" in out and "1.20x" in out and "ceiling copy_tbps" in out
+    assert main(["--compare", str(old), str(slower), "--threshold", "0.25"]) == 0
+    assert main(["--compare", str(old), str(tmp_path / "missing.json")]) == 2
+    assert main(["--threshold", "0.2"]) == 2  # --threshold without --compare
