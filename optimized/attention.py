@@ -18,16 +18,18 @@ what DeepGEMM has none of (sparse attention, compressor, norm/RoPE/quant, top-k)
 `numerics.kv_fp8_sim` (what the reference's bf16 rows hold after the FP8 simulation, bitwise), bf16 rows
 otherwise; compressor states and index keys as the reference keeps them. The output projection is
 `optimized.output_projection`, which implements `numerics.wo_a = "fp8"` (the optimized backends raise for the
-official bf16 einsum). Window / candidate bookkeeping reuses the reference's index functions
-(`check_tokens`, `candidate_indices`, `visible_entries`): a per-call KV pool of the batch's rows is gathered
-from the cache (a copy of the sequences' rows each call; the kernels read only the rows each token selects).
+official bf16 einsum). Window / candidate bookkeeping follows the reference's index functions
+(`check_tokens`, `visible_entries`, and `candidate_indices` as `pool_and_indices`, the same layout built for the
+whole batch in a few launches instead of several per sequence): a per-call KV pool of the batch's rows is
+gathered from the cache (a copy of the sequences' rows each call; the kernels read only the rows each token
+selects).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import accumulate
+from itertools import accumulate, pairwise
 
 import torch
 from torch import nn
@@ -36,7 +38,7 @@ from optimized.backends import checking_values, register, value_checks
 from optimized.einsum import output_projection
 from optimized.linear import fp8_linear, implementation
 from reference import attention as ref
-from reference.attention import AttentionWeights, candidate_indices, check_continuation, check_tokens, visible_entries
+from reference.attention import AttentionWeights, check_continuation, check_tokens, visible_entries
 from reference.cache import KV_PACKED_BYTES, pack_kv, unpack_kv
 from reference.cache import AttentionCache as ReferenceCache
 from reference.compressor import CompressorState, CompressorWeights, overlap_factor
@@ -646,6 +648,50 @@ class AttentionCache:
                     raise ValueError(f"cache: sequence {b} at position {p} holds {what} {got}, expected {expected}")
 
 
+def _per_token(values: list[tuple[int, ...]], bounds: list[int], device: torch.device,
+               dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """[T, len(values[b])]: sequence b's values repeated over its tokens (`bounds`), one fill per sequence and value.
+
+    The values become constants of the fill kernels and nothing is copied from the host, so the host never waits
+    for the device and a captured CUDA graph replays them (a host-to-device copy in a graph would read its host
+    buffer again at every replay).
+    """
+    out = torch.empty((bounds[-1], len(values[0]) if values else 0), dtype=dtype, device=device)
+    for (start, end), row in zip(pairwise(bounds), values):
+        if end > start:
+            for j, value in enumerate(row):
+                out[start:end, j].fill_(value)
+    return out
+
+
+def pool_and_indices(
+    window_rows: list[tuple[torch.Tensor, ...]], window_first: list[int], compressed: list[torch.Tensor],
+    selection: torch.Tensor, positions: torch.Tensor, bounds: list[int], window_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.attention.candidate_indices` (validate=False) for the whole batch at once: the same pool (per
+    sequence its window rows, then its entries) and the same indices [T, window_size + k] int32, from one index
+    computation over all tokens instead of several launches per sequence (with the ring views below, one TINY
+    decode step of 16 sequences runs 277 instead of 461 of the ops that launch kernels on a GPU: CPU profiler).
+    A sequence's window rows come as pieces (ring views and new rows) that the pool's one copy puts together.
+
+    Each token's window column is `pool row of its sequence's first window position + (position - that position)`
+    and each selected entry `pool row of its sequence's entry 0 + entry id` (`_per_token` lays the two
+    per-sequence offsets out per token).
+    """
+    offsets, base = [], 0
+    for pieces, first, entries in zip(window_rows, window_first, compressed):
+        n_rows = sum(piece.shape[0] for piece in pieces)
+        offsets.append((base - first, base + n_rows))
+        base += n_rows + entries.shape[0]
+    per_token = _per_token(offsets, bounds, positions.device)
+    window_pos = positions[:, None] + torch.arange(-window_size + 1, 1, device=positions.device)[None, :]
+    window_cols = torch.where(window_pos >= 0, per_token[:, :1] + window_pos, -1)
+    sel = selection.long()
+    compressed_cols = torch.where(sel >= 0, per_token[:, 1:] + sel, -1)
+    pool = torch.cat([t for pieces, entries in zip(window_rows, compressed) for t in (*pieces, entries)])
+    return pool, torch.cat((window_cols, compressed_cols), dim=1).to(torch.int32)
+
+
 def _ring_rows(ring: torch.Tensor, first: int, end: int) -> tuple[torch.Tensor, ...]:
     """Views of the ring rows of positions `first .. end - 1` in position order (row p mod len(ring)): one slice,
     or two where the range wraps; at most len(ring) positions."""
@@ -748,25 +794,27 @@ class Attention(nn.Module):
             selection = torch.zeros(x.shape[0], 0, dtype=torch.int32, device=x.device)
 
         win = cfg.window_size
+        # per sequence: the ring's rows of positions first .. start - 1 (row p mod win, as views), then the new rows
         window_rows, window_first = [], []
         for b, seq in enumerate(seqs):
-            start, n = seq.next_position, bounds[b + 1] - bounds[b]
-            new_rows = kv[bounds[b]:bounds[b + 1]]
+            start = seq.next_position
             first = max(0, start - win + 1)
-            # the ring's rows of positions first .. start - 1 (row p mod win), then the new rows
-            window_rows.append(torch.cat((*_ring_rows(seq.window, first, start), new_rows)))
+            window_rows.append((*_ring_rows(seq.window, first, start), kv[bounds[b]:bounds[b + 1]]))
             window_first.append(first)
+        # The layer built the window rows and the selections itself, from a cache that `cache.check` validated on
+        # the host (entries, keys and states match the positions): `candidate_indices`' device reads of `validate`
+        # are not needed. The pool copies the ring views, so the rings are updated after it.
+        pool, indices = pool_and_indices(window_rows, window_first, [s.compressed for s in seqs], selection,
+                                         positions, bounds, win)
+        for b, seq in enumerate(seqs):
             # the last min(n, win) new rows replace the ring rows of their positions mod win
+            start, n = seq.next_position, bounds[b + 1] - bounds[b]
             keep = min(n, win)
             ring_views = _ring_rows(seq.window, start + n - keep, start + n)
-            for ring_view, rows in zip(ring_views, new_rows[n - keep:].split([v.shape[0] for v in ring_views])):
+            new_rows = kv[bounds[b + 1] - keep:bounds[b + 1]]
+            for ring_view, rows in zip(ring_views, new_rows.split([v.shape[0] for v in ring_views])):
                 ring_view.copy_(rows)
             seq.next_position = start + n
-        # The layer built the window rows and the selections itself, from a cache that `cache.check` validated on
-        # the host (entries, keys and states match the positions): the per-sequence device reads of `validate`
-        # are not needed.
-        pool, indices = candidate_indices(window_rows, window_first, [s.compressed for s in seqs], selection,
-                                          positions, torch.tensor(bounds, dtype=torch.int32), win, validate=False)
         return q, pool, indices
 
     def _indexer_selection(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor, bounds: list[int],
@@ -797,8 +845,7 @@ class Attention(nn.Module):
                                               max_len)
                 return ti.topk_indices(logits, n_visible, cfg.index_topk)
         offsets = [0, *accumulate(k.shape[0] for k in keys)][:-1]
-        k_start = torch.cat([torch.full((n,), offset, dtype=torch.int32, device=x.device)
-                             for n, offset in zip(lengths, offsets)])
+        k_start = _per_token([(offset,) for offset in offsets], bounds, x.device, torch.int32)[:, 0]
         pool = torch.cat(keys)
         if self.indexer_backend == "deepgemm":
             logits = dgi.mqa_logits(q_idx, pool, head_weights, k_start, k_start + n_visible, max_len)

@@ -285,6 +285,26 @@ def test_compressor_fed_in_chunks_equals_the_prefill_form(ratio: int, rotate: st
     assert state.next_position == 11
 
 
+def test_the_layers_batched_pool_and_indices_equal_the_reference_layout() -> None:
+    """`optimized.attention.pool_and_indices` is `reference.attention.candidate_indices` for a whole batch: the same
+    pool and indices, bit for bit, with window rows given as pieces (a wrapped ring) and an empty sequence."""
+    g = generator(41)
+    win, lengths, firsts = 4, [3, 0, 1, 5], [2, 0, 5, 0]
+    starts = [first + (win - 1 if first else 0) for first in firsts]  # each sequence's cache position
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+    pieces = [tuple(torch.randn(k, 8, generator=g).to(torch.bfloat16) for k in split)
+              for split in ([1, 2, 3], [0], [2, 1, 1], [5])]  # rows first .. start - 1 (ring views), new rows
+    entries = [torch.randn(k, 8, generator=g).to(torch.bfloat16) for k in (2, 0, 3, 1)]
+    selection = torch.randint(-1, 3, (sum(lengths), 2), generator=g, dtype=torch.int32)
+    for b, (start, end) in enumerate(pairwise(bounds)):
+        selection[start:end] = selection[start:end].clamp(max=entries[b].shape[0] - 1)
+    want_kv, want_idx = ref.candidate_indices([torch.cat(p) for p in pieces], firsts, entries, selection, positions,
+                                              torch.tensor(bounds, dtype=torch.int32), win)
+    kv, idx = oa.pool_and_indices(pieces, firsts, entries, selection, positions, bounds, win)
+    assert torch.equal(kv, want_kv) and torch.equal(idx, want_idx) and idx.dtype == torch.int32
+
+
 def test_cache_from_the_reference_holds_the_same_rows_packed() -> None:
     cfg, layer_id = TINY, layer_of_kind(TINY, "csa")
     weights = ref.random_attention_weights(cfg, layer_id, generator=generator(10))
