@@ -31,8 +31,9 @@ from optimized.triton.aot import AotSpec
 # program (the smallest `tl.dot` M), and the hidden dim split into LOGITS_SPLITS slices whose fp32 partial sums the
 # top-k kernel adds in order. The experts per program do not change a logit (each output element is its own dot
 # over the same K steps), so they follow the token count: up to DECODE_TOKENS tokens, 16 experts per program
-# stream the gate weight (E x D bf16, 2-5.5 MB) with E/16 x 8 programs (FLASH: 128, one wave; with 128 experts
-# per program, 16 programs took 16 us at T = 1 in the H200 benchmark of 2026-12-03); at prefill 128 experts per
+# stream the gate weight (E x D bf16, 2-5.5 MB) with E/16 x 8 programs (FLASH: 128, one wave; `route` at T = 1 took
+# 16.0 us with 128 experts per program, 16 programs, and 13.6 us so, in the H200 benchmarks of 2026-12-03, and the
+# GPU test and batch-invariance suite found the logits unchanged across the switch); at prefill 128 experts per
 # program read each token tile only E/128 times. The [8, T, E] fp32 partials (64 MB at T=8192 on FLASH) cost tens
 # of microseconds next to a MoE step of milliseconds.
 LOGITS_BLOCK_T = 16
