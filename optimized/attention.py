@@ -765,7 +765,8 @@ class Attention(nn.Module):
         batch = len(bounds) - 1
         # Rows are kept in the 584-byte FP8 layout where a cache keeps them. Fresh prompts without a cache attend over
         # their FP8-simulated rows as bf16 instead: the same values (unpacking is exact), and the bf16 kernel skips
-        # the per-tile dequantization (FLASH prefill of 8192 tokens: 4.19 ms packed, ~3.3 ms bf16 on the H200).
+        # the per-tile dequantization (H200, FLASH CSA layer, prefill of 8192 tokens, same-call A/B: triton 11.8 ->
+        # 11.1 ms, deepgemm 12.3 -> 11.4 ms, the same output bit for bit; docs/h200/ab-router-permute-bf16-*.json).
         packed = self.packed and cache is not None
         if cache is None:
             cache = AttentionCache.empty(cfg, self.layer_id, batch, x.device, packed=packed)
