@@ -656,7 +656,7 @@ def _per_token(values: list[tuple[int, ...]], bounds: list[int], device: torch.d
     for the device and a captured CUDA graph replays them (a host-to-device copy in a graph would read its host
     buffer again at every replay).
     """
-    out = torch.empty((bounds[-1], len(values[0]) if values else 0), dtype=dtype, device=device)
+    out = torch.empty((bounds[-1], len(values[0])), dtype=dtype, device=device)
     for (start, end), row in zip(pairwise(bounds), values):
         if end > start:
             for j, value in enumerate(row):

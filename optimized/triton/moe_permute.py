@@ -93,6 +93,32 @@ def _count_kernel(ids_ptr, counts_ptr, n_slots, n_experts, CHUNK: tl.constexpr, 
 
 
 @triton.jit
+def _store_segments(expert_start_ptr, expert_count_ptr, total, n_experts, align, capacity, E_PAD: tl.constexpr):
+    """From each expert's slot count `total` [E_PAD]: where its segment starts (aligned, or e * capacity) and how
+    many slots it holds, stored with the rows used in all (`expert_start[E]`)."""
+    offs_e = tl.arange(0, E_PAD)
+    e_ok = offs_e < n_experts
+    if capacity > 0:
+        start = offs_e * capacity
+        used = n_experts * capacity
+        tl.store(expert_count_ptr + offs_e, tl.minimum(total, capacity), mask=e_ok)
+    else:
+        padded = (total + align - 1) // align * align
+        start = tl.cumsum(padded, axis=0) - padded
+        used = tl.sum(padded, axis=0)
+        tl.store(expert_count_ptr + offs_e, total, mask=e_ok)
+    tl.store(expert_start_ptr + offs_e, start, mask=e_ok)
+    tl.store(expert_start_ptr + n_experts, used)
+
+
+@triton.jit
+def _rank_in_chunk(eid, ok, lane):
+    """Each slot's rank among the chunk's earlier slots of the same expert (a [CHUNK, CHUNK] comparison)."""
+    earlier = (eid[:, None] == eid[None, :]) & ok[None, :] & (lane[None, :] < lane[:, None])
+    return tl.sum(earlier.to(tl.int32), axis=1)
+
+
+@triton.jit
 def _offsets_kernel(
     counts_ptr, chunk_base_ptr, expert_start_ptr, expert_count_ptr,
     n_chunks, n_experts, align, capacity,
@@ -100,7 +126,6 @@ def _offsets_kernel(
 ):
     """chunk_base[c, e] = slots of expert e in chunks before c; segment starts and per-expert counts."""
     offs_e = tl.arange(0, E_PAD)
-    e_ok = offs_e < n_experts
     carry = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, n_chunks, BLOCK_C):
         chunks = c0 + tl.arange(0, BLOCK_C)
@@ -109,18 +134,7 @@ def _offsets_kernel(
         tile = tl.load(counts_ptr + ptrs, mask=c_ok, other=0)
         tl.store(chunk_base_ptr + ptrs, carry[None, :] + tl.cumsum(tile, axis=0) - tile, mask=c_ok)
         carry += tl.sum(tile, axis=0)
-    if capacity > 0:
-        start = offs_e * capacity
-        count = tl.minimum(carry, capacity)
-        used = n_experts * capacity
-    else:
-        padded = (carry + align - 1) // align * align
-        start = tl.cumsum(padded, axis=0) - padded
-        count = carry
-        used = tl.sum(padded, axis=0)
-    tl.store(expert_start_ptr + offs_e, start, mask=e_ok)
-    tl.store(expert_start_ptr + n_experts, used)
-    tl.store(expert_count_ptr + offs_e, count, mask=e_ok)
+    _store_segments(expert_start_ptr, expert_count_ptr, carry, n_experts, align, capacity, E_PAD)
 
 
 @triton.jit
@@ -136,11 +150,8 @@ def _scatter_kernel(
     in_range = slots < n_slots
     eid = tl.load(ids_ptr + slots, mask=in_range, other=-1)
     ok = in_range & (eid >= 0) & (eid < n_experts)
-    # rank among this chunk's earlier slots of the same expert
-    earlier = (eid[:, None] == eid[None, :]) & ok[None, :] & (lane[None, :] < lane[:, None])
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
     e = tl.where(ok, eid, 0)
-    within = tl.load(chunk_base_ptr + pid * E_PAD + e, mask=ok, other=0) + rank
+    within = tl.load(chunk_base_ptr + pid * E_PAD + e, mask=ok, other=0) + _rank_in_chunk(eid, ok, lane)
     # capacity 0 = unlimited. A `where`, not `scalar | block`: Triton 3.9's interpreter makes a scalar bool combined
     # with a block of bools an int32 array, which tl.store then rejects as a mask.
     placed = tl.where(capacity == 0, ok, ok & (within < capacity))
@@ -167,26 +178,13 @@ def _permute_chunk_kernel(
     ok = in_range & (eid >= 0) & (eid < n_experts)
     e = tl.where(ok, eid, 0)
     # counts and segments (`_offsets_kernel`)
-    offs_e = tl.arange(0, E_PAD)
-    e_ok = offs_e < n_experts
-    count = tl.histogram(e, E_PAD, mask=ok)
-    if capacity > 0:
-        start = offs_e * capacity
-        used = n_experts * capacity
-        tl.store(expert_count_ptr + offs_e, tl.minimum(count, capacity), mask=e_ok)
-    else:
-        padded = (count + align - 1) // align * align
-        start = tl.cumsum(padded, axis=0) - padded
-        used = tl.sum(padded, axis=0)
-        tl.store(expert_count_ptr + offs_e, count, mask=e_ok)
-    tl.store(expert_start_ptr + offs_e, start, mask=e_ok)
-    tl.store(expert_start_ptr + n_experts, used)
+    _store_segments(expert_start_ptr, expert_count_ptr, tl.histogram(e, E_PAD, mask=ok), n_experts, align, capacity,
+                    E_PAD)
     # the program's own stores are visible to all its threads after the barrier (CUDA __syncthreads; on ROCm a
     # workgroup fence around s_barrier): each slot reads its expert's start back instead of a [CHUNK, E] pick
     tl.debug_barrier()
     # rows (`_scatter_kernel`): the start of the slot's expert plus its rank among the earlier slots of that expert
-    earlier = (eid[:, None] == eid[None, :]) & ok[None, :] & (lane[None, :] < lane[:, None])
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    rank = _rank_in_chunk(eid, ok, lane)
     own_start = tl.load(expert_start_ptr + e, mask=ok, other=0)
     placed = tl.where(capacity == 0, ok, ok & (rank < capacity))
     row = own_start + rank
