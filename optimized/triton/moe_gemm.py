@@ -74,14 +74,18 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
     |---------------|---------|---------|---------|-------|--------|---------------------------------------|
     | <= 16         | gate/up | 16      | 128     | 8 (4) | 4 (2)  | decode: smallest dot tile; the weight |
     |               | down    | 16      | 64      | 4     | 3      | stream is the cost                    |
-    | > 16          | both    | 64      | 128     | 8     | 2      | compute-bound; 64 rows pad less per   |
-    |               |         |         |         |       |        | expert than 128 (E x 32 rows on avg.) |
+    | > 16          | gate/up | 64      | 128     | 8     | 4 (2)  | compute-bound; 64 rows pad less per   |
+    |               | down    | 64      | 128     | 4 (8) | 3 (2)  | expert than 128 (E x 32 rows on avg.) |
 
     The gate/up GEMM keeps BLOCK_N = 128: its epilogue quantizes whole 128-wide blocks, and it holds two
     accumulators (gate and up), which is why its tiles stop at 64 x 128 per 8 warps. Decode gate/up on NVIDIA:
     8 warps and 4 stages keep more of the weight stream in flight (H200 sweep, `python -m benchmarks.sweep_moe`,
     docs/h200/sweep-moe.json: FLASH T = 1 34 us against 57 with 4 warps and 2 stages); those 4 stages take
-    104 KB of shared memory, over gfx942's 64 KB LDS, so AMD keeps the bracketed 4 warps and 2 stages. Every
+    104 KB of shared memory, over gfx942's 64 KB LDS, so AMD keeps the bracketed 4 warps and 2 stages. Prefill on
+    NVIDIA: 4 stages for gate/up and 4 warps with 3 stages for down took the Triton experts at FLASH T = 4096 from
+    4670 to 3222 us and at T = 8192 from 7732 to 5305 us (H200, same-run A/B of six tile pairs, outputs bitwise
+    equal: `docs/h200/ab-moe-prefill-tiles.json`); AMD keeps the bracketed tiles there (not measured: no ROCm GPU
+    here). Every
     config compiles without spills within its targets' LDS and registers (the AOT check). On the CPU
     interpreter, where each program costs the same few hundred numpy calls whatever its size, the tiles
     are as large as the shape allows: the arithmetic is the same, with fewer programs.
@@ -92,7 +96,9 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
         if not swiglu:
             return GemmConfig(16, 64, 4, 3)
         return GemmConfig(16, 128, 8, 4) if platform == "nvidia" else GemmConfig(16, 128, 4, 2)
-    return GemmConfig(64, 128, 8, 2)
+    if platform != "nvidia":
+        return GemmConfig(64, 128, 8, 2)
+    return GemmConfig(64, 128, 8, 4) if swiglu else GemmConfig(64, 128, 4, 3)
 
 
 @triton.jit
@@ -382,13 +388,21 @@ AOT_SPECS = [
                   2048, True, True, targets=targets)
         for platform, targets in PLATFORM_TARGETS.items()
     ),
-    _aot_gemm("moe_gate_up[rows/expert=128]", choose_config(128, 2048, True), 4096, 2048, True, True),
+    _aot_gemm("moe_down[rows/expert=1]", choose_config(1, 4096, False), 2048, 4096, False, True),
     *(
-        _aot_gemm(f"moe_down[rows/expert={r}]", choose_config(r, 4096, False), 2048, 4096, False, True)
-        for r in (1, 128)
+        spec
+        for platform, targets in PLATFORM_TARGETS.items()
+        for spec in (
+            _aot_gemm(f"moe_gate_up[rows/expert=128,{platform}]", choose_config(128, 2048, True, platform=platform),
+                      4096, 2048, True, True, targets=targets),
+            _aot_gemm(f"moe_down[rows/expert=128,{platform}]", choose_config(128, 4096, False, platform=platform),
+                      2048, 4096, False, True, targets=targets),
+            _aot_gemm(f"moe_shared_gate_up[T=4096,{platform}]", choose_config(4096, 2048, True, platform=platform),
+                      4096, 2048, True, False, targets=targets),
+            _aot_gemm(f"moe_gate_up[rows/expert=128,act_block=32,{platform}]",
+                      choose_config(128, 2048, True, platform=platform), 4096, 2048, True, True, 32, targets=targets),
+        )
     ),
-    _aot_gemm("moe_shared_gate_up[T=4096]", choose_config(4096, 2048, True), 4096, 2048, True, False),
-    _aot_gemm("moe_gate_up[rows/expert=128,act_block=32]", choose_config(128, 2048, True), 4096, 2048, True, True, 32),
     AotSpec(
         "moe_swiglu_quant", _swiglu_quant_kernel,
         {"h_ptr": "*bf16", "slot_row_ptr": "*i32", "topk_w_ptr": "*fp32", "out_ptr": "*{fp8}",
