@@ -160,6 +160,45 @@ def test_sink_only_enters_the_denominator_unscaled() -> None:
     assert calc_diff(out.float(), expected.float()) <= SPARSE_ATTENTION_SIMULATED.value
 
 
+SM90 = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (the Gluon kernel of sparse_attention_sm90)")
+@pytest.mark.parametrize(("heads", "slots"), [(64, 100), (128, 640), (64, 1)])
+def test_sm90_kernel_matches_the_portable_kernel_and_the_reference(heads: int, slots: int) -> None:
+    """The Gluon kernel on the cases the portable kernel's tests cover: -1 slots, a token without any slot (0), a
+    NaN query (its head only), K not a multiple of 64, one and two 64-head blocks, no valid slot at all."""
+    from optimized.triton import sparse_attention as tsa
+    from optimized.triton import sparse_attention_sm90 as sm90
+
+    q, kv, indices, sink = _attention_inputs("e4m3fn", tokens=6, heads=heads, rows=700, slots=slots)
+    indices[2] = -1
+    q[4, 3, 10] = float("nan")
+    q, kv, indices, sink = q.cuda(), kv.cuda(), indices.cuda(), sink.cuda()
+    expected = ref.sparse_attention(q, kv, indices, sink, 512**-0.5)
+    out = sm90.sparse_attention_sm90(q, kv, indices, sink, 512**-0.5, torch.empty_like(q))
+    portable = tsa.sparse_attention(q, kv, indices, sink, 512**-0.5, config=tsa.WIDE["nvidia"][False])
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert bool((out[2] == 0).all())
+    finite = expected.isfinite()
+    assert calc_diff(out[finite].float(), expected[finite].float()) <= SPARSE_ATTENTION_SIMULATED.value
+    assert calc_diff(out[finite].float(), portable[finite].float()) <= SPARSE_ATTENTION_SIMULATED.value
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (the Gluon kernel of sparse_attention_sm90)")
+def test_prefill_launches_of_bf16_rows_run_the_sm90_kernel() -> None:
+    """Enough tokens for 64-head programs without split-KV (`plan`): the op's launch is the Gluon kernel's."""
+    from optimized.triton import sparse_attention as tsa
+    from optimized.triton import sparse_attention_sm90 as sm90
+
+    q, kv, indices, sink = (t.cuda() for t in _attention_inputs("e4m3fn", tokens=160, heads=64, rows=700, slots=100))
+    assert tsa.plan(160, 64, 100, packed=False) == (tsa.WIDE["nvidia"][False], 1)
+    direct = sm90.sparse_attention_sm90(q, kv, indices, sink, 512**-0.5, torch.empty_like(q))
+    assert torch.equal(tsa.sparse_attention(q, kv, indices, sink, 512**-0.5), direct)
+
+
 # ------------------------------------------------------------------------------------------------
 # Indexer top-k
 # ------------------------------------------------------------------------------------------------
