@@ -30,6 +30,10 @@ BLOCK_N = 64  # gathered rows per step
 STAGES = 2  # Q (64 KB) + 2 x 64 KB of rows: 192 KB of sm_90's 227 KB of shared memory
 NUM_WARPS = 8
 HEAD_DIM = 512
+# Gluon names that changed (Triton 3.6 -> 3.9): the cp.async of a pointer tensor into shared memory
+# (`async_copy_global_to_shared` -> `async_load`) and the CTA barrier (`thread_barrier` -> `barrier`)
+_async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit
@@ -41,7 +45,7 @@ def _gather_tile(kv_ptr, idx_ptr, kv_smem, t64, stride_it, stride_kv, tile, K,
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
     ptrs = kv_ptr + idx.to(gl.int64)[:, None] * stride_kv + cols[None, :]
     mask = (idx >= 0)[:, None] & (cols < HEAD_DIM)[None, :]
-    cp.async_copy_global_to_shared(kv_smem.index(tile % STAGES), ptrs, mask=mask)
+    _async_load(kv_smem.index(tile % STAGES), ptrs, mask=mask)
     cp.commit_group()
 
 
@@ -82,7 +86,7 @@ def _sparse_attention_sm90_kernel(
         _gather_tile(kv_ptr, idx_ptr, kv_smem, t64, stride_it, stride_kv, i + STAGES - 1, K, BLOCK_N, HEAD_DIM,
                      STAGES, LD)
         cp.wait_group(STAGES - 1)
-        gl.thread_barrier()  # every thread's copies of tile i have landed
+        _cta_barrier()  # every thread's copies of tile i have landed
         fence_async_shared()  # ... and are visible to the wgmma (async proxy)
         kv_t = kv_smem.index(i % STAGES)
         s = warpgroup_mma(q_smem, kv_t.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L),
