@@ -14,7 +14,7 @@ import torch
 
 import optimized
 from optimized import attention as oa
-from optimized.backends import backend_status, registry
+from optimized.backends import backend_status, detect, registry
 from parity_tests.cases import FP8_FORMATS, TINY_DEVICE, Case, all_cases, generator
 from parity_tests.metrics import calc_diff
 from parity_tests.ops.attention import GPU_CONFIGS, OPS, layer_of_kind
@@ -40,6 +40,10 @@ from reference.rope import apply_rope, rope_cos_sin, yarn_frequencies
 TRITON_OK, TRITON_WHY = backend_status("triton")
 needs_triton = pytest.mark.skipif(not TRITON_OK, reason=f"triton backend unavailable: {TRITON_WHY}")
 DEEPGEMM_OK, DEEPGEMM_WHY = backend_status("deepgemm")
+# the kernel unit tests' tensors: the CPU under TRITON_INTERPRET=1, else the GPU the Triton kernels run on
+KERNEL_DEVICE = "cpu" if detect().interpret else TINY_DEVICE
+# Triton has no e4m3fnuz type for NVIDIA targets (gfx942's format: the interpreter and ROCm only)
+FORMATS_HERE = [f for f in FP8_FORMATS if f == "e4m3fn" or KERNEL_DEVICE == "cpu" or torch.version.hip is not None]
 ATTENTION_OPS = ("sparse_attention", "indexer_scores", "indexer_topk", "compress", "project_q", "project_kv",
                  "indexer_q", "attention")
 
@@ -82,18 +86,20 @@ def test_every_attention_op_is_registered_for_every_backend() -> None:
 
 def _attention_inputs(fmt: str, *, tokens: int = 4, heads: int = 8, rows: int = 200, slots: int = 40, seed: int = 0
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [T, H, 512], kv rows through the FP8 simulation, distinct indices per token with -1 slots, sinks."""
+    """q [T, H, 512], kv rows through the FP8 simulation, distinct indices per token with -1 slots, sinks
+    (drawn on the CPU, on KERNEL_DEVICE)."""
     g = generator(seed)
     q = torch.randn(tokens, heads, 512, generator=g).to(torch.bfloat16)
     kv = torch.randn(rows, 512, generator=g).to(torch.bfloat16)
     kv = torch.cat((quant_dequant_fp8(kv[:, :448], 64, fmt), kv[:, 448:]), dim=1)
     indices = torch.stack([torch.randperm(rows, generator=g)[:slots] for _ in range(tokens)]).to(torch.int32)
     indices[:, ::5] = -1
-    return q, kv, indices, torch.randn(heads, generator=g)
+    sink = torch.randn(heads, generator=g)
+    return q.to(KERNEL_DEVICE), kv.to(KERNEL_DEVICE), indices.to(KERNEL_DEVICE), sink.to(KERNEL_DEVICE)
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS_HERE)
 def test_packed_cache_rows_give_bitwise_the_attention_of_their_unpacked_rows(fmt: str) -> None:
     from optimized.triton import sparse_attention as tsa
 
@@ -154,7 +160,7 @@ def test_tokens_without_any_slot_give_zero_and_no_nan(splits: int) -> None:
 def test_sink_only_enters_the_denominator_unscaled() -> None:
     """One slot: o = v e^z / (e^z + e^sink) exactly as the reference (the sink is not multiplied by the scale)."""
     q, kv, indices, sink = _attention_inputs("e4m3fn", slots=1)
-    indices[:] = torch.arange(q.shape[0], dtype=torch.int32)[:, None]
+    indices[:] = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)[:, None]
     out = optimized.sparse_attention(q, kv, indices, sink * 4, 512**-0.5, backend="triton")
     expected = ref.sparse_attention(q, kv, indices, sink * 4, 512**-0.5)
     assert calc_diff(out.float(), expected.float()) <= SPARSE_ATTENTION_SIMULATED.value
@@ -175,7 +181,6 @@ def test_sm90_kernel_matches_the_portable_kernel_and_the_reference(heads: int, s
     q, kv, indices, sink = _attention_inputs("e4m3fn", tokens=6, heads=heads, rows=700, slots=slots)
     indices[2] = -1
     q[4, 3, 10] = float("nan")
-    q, kv, indices, sink = q.cuda(), kv.cuda(), indices.cuda(), sink.cuda()
     expected = ref.sparse_attention(q, kv, indices, sink, 512**-0.5)
     out = sm90.sparse_attention_sm90(q, kv, indices, sink, 512**-0.5, torch.empty_like(q))
     portable = tsa.sparse_attention(q, kv, indices, sink, 512**-0.5, config=tsa.WIDE["nvidia"][False])
@@ -193,7 +198,7 @@ def test_prefill_launches_of_bf16_rows_run_the_sm90_kernel() -> None:
     from optimized.triton import sparse_attention as tsa
     from optimized.triton import sparse_attention_sm90 as sm90
 
-    q, kv, indices, sink = (t.cuda() for t in _attention_inputs("e4m3fn", tokens=160, heads=64, rows=700, slots=100))
+    q, kv, indices, sink = _attention_inputs("e4m3fn", tokens=160, heads=64, rows=700, slots=100)
     assert tsa.plan(160, 64, 100, packed=False) == (tsa.WIDE["nvidia"][False], 1)
     direct = sm90.sparse_attention_sm90(q, kv, indices, sink, 512**-0.5, torch.empty_like(q))
     assert torch.equal(tsa.sparse_attention(q, kv, indices, sink, 512**-0.5), direct)
