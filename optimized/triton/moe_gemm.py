@@ -381,28 +381,22 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
     )
 
 
+def _per_platform(name: str, label: str, rows_per_expert: int, k: int, n: int, swiglu: bool, grouped: bool,
+                  act_block: int = 128) -> list[AotSpec]:
+    """The launch at `rows_per_expert` with each platform's tiles, on that platform's targets."""
+    return [_aot_gemm(f"{name}[{label},{platform}]", choose_config(rows_per_expert, n, swiglu, platform=platform), k,
+                      n, swiglu, grouped, act_block, targets)
+            for platform, targets in PLATFORM_TARGETS.items()]
+
+
 # FLASH shapes (D 4096, I 2048): decode and prefill tiles of both GEMMs, routed and shared.
 AOT_SPECS = [
-    *(
-        _aot_gemm(f"moe_gate_up[rows/expert=1,{platform}]", choose_config(1, 2048, True, platform=platform), 4096,
-                  2048, True, True, targets=targets)
-        for platform, targets in PLATFORM_TARGETS.items()
-    ),
+    *_per_platform("moe_gate_up", "rows/expert=1", 1, 4096, 2048, True, True),
     _aot_gemm("moe_down[rows/expert=1]", choose_config(1, 4096, False), 2048, 4096, False, True),
-    *(
-        spec
-        for platform, targets in PLATFORM_TARGETS.items()
-        for spec in (
-            _aot_gemm(f"moe_gate_up[rows/expert=128,{platform}]", choose_config(128, 2048, True, platform=platform),
-                      4096, 2048, True, True, targets=targets),
-            _aot_gemm(f"moe_down[rows/expert=128,{platform}]", choose_config(128, 4096, False, platform=platform),
-                      2048, 4096, False, True, targets=targets),
-            _aot_gemm(f"moe_shared_gate_up[T=4096,{platform}]", choose_config(4096, 2048, True, platform=platform),
-                      4096, 2048, True, False, targets=targets),
-            _aot_gemm(f"moe_gate_up[rows/expert=128,act_block=32,{platform}]",
-                      choose_config(128, 2048, True, platform=platform), 4096, 2048, True, True, 32, targets=targets),
-        )
-    ),
+    *_per_platform("moe_gate_up", "rows/expert=128", 128, 4096, 2048, True, True),
+    *_per_platform("moe_down", "rows/expert=128", 128, 2048, 4096, False, True),
+    *_per_platform("moe_shared_gate_up", "T=4096", 4096, 4096, 2048, True, False),
+    *_per_platform("moe_gate_up", "rows/expert=128,act_block=32", 128, 4096, 2048, True, True, act_block=32),
     AotSpec(
         "moe_swiglu_quant", _swiglu_quant_kernel,
         {"h_ptr": "*bf16", "slot_row_ptr": "*i32", "topk_w_ptr": "*fp32", "out_ptr": "*{fp8}",
