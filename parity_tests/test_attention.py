@@ -229,7 +229,7 @@ def test_topk_selects_the_largest_visible_scores_with_ties_to_the_lower_index(n:
     scores[1, 1::2] = 0.0
     n_visible = torch.tensor([n, n - 3, 0, 5, 17, n // 2])
     k = 16
-    got = optimized.indexer_topk(scores, n_visible, k, backend="triton")
+    got = optimized.indexer_topk(scores.to(KERNEL_DEVICE), n_visible.to(KERNEL_DEVICE), k, backend="triton")
     want = _stable_topk_sets(scores, n_visible, k)
     for t in range(rows):
         kept = sorted(int(i) for i in got[t] if i >= 0)
@@ -240,8 +240,8 @@ def test_topk_selects_the_largest_visible_scores_with_ties_to_the_lower_index(n:
 @needs_triton
 def test_topk_of_the_reference_scores_equals_the_reference_selection() -> None:
     g = generator(4)
-    scores = torch.randn(9, 30, generator=g)
-    n_visible = torch.arange(9) * 30 // 8
+    scores = torch.randn(9, 30, generator=g).to(KERNEL_DEVICE)
+    n_visible = (torch.arange(9) * 30 // 8).to(KERNEL_DEVICE)
     got = optimized.indexer_topk(scores, n_visible, 8, backend="triton")
     expected = ref.indexer_topk(scores, n_visible, 8)
     assert torch.equal(got.sort(dim=1).values, expected.sort(dim=1).values)
@@ -257,14 +257,14 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS_HERE)
 def test_fused_kv_finish_is_bitwise_the_reference_steps_and_packs_its_bytes(fmt: str) -> None:
     from optimized.triton.rope_quant import rope_quant
 
     g = generator(5)
-    kv = (torch.randn(9, 512, generator=g) * 3).to(torch.bfloat16)
-    weight = (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16)
-    positions = torch.arange(120, 129)
+    kv = (torch.randn(9, 512, generator=g) * 3).to(KERNEL_DEVICE, torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(512, generator=g)).to(KERNEL_DEVICE, torch.bfloat16)
+    positions = torch.arange(120, 129, device=KERNEL_DEVICE)
     freqs = yarn_frequencies(TINY, 4)
     cos, sin = rope_cos_sin(positions, freqs)
     roped = apply_rope(rms_norm(kv, weight, 1e-6), positions, freqs)
@@ -280,8 +280,8 @@ def test_fused_query_finish_is_bitwise_the_official_bf16_head_norm_and_rope() ->
     from optimized.triton.rope_quant import rope_quant
 
     g = generator(6)
-    q = (torch.randn(5, 8, 512, generator=g) * 4).to(torch.bfloat16)
-    positions = torch.tensor([0, 1, 127, 128, 70000])
+    q = (torch.randn(5, 8, 512, generator=g) * 4).to(KERNEL_DEVICE, torch.bfloat16)
+    positions = torch.tensor([0, 1, 127, 128, 70000], device=KERNEL_DEVICE)
     freqs = yarn_frequencies(TINY, 0)
     cos, sin = rope_cos_sin(positions, freqs)
     got = rope_quant(q.view(-1, 512), cos, sin, norm="head_bf16").view(q.shape)
@@ -294,9 +294,9 @@ def test_fused_index_finish_is_bitwise_rope_hadamard_and_fp4(hadamard: bool) -> 
     from optimized.triton.rope_quant import rope_quant
 
     g = generator(7)
-    u = torch.randn(6, 128, generator=g) * 3  # pooled fp32 entries
-    weight = (1 + 0.1 * torch.randn(128, generator=g)).to(torch.bfloat16)
-    positions = torch.arange(6) * 4
+    u = (torch.randn(6, 128, generator=g) * 3).to(KERNEL_DEVICE)  # pooled fp32 entries
+    weight = (1 + 0.1 * torch.randn(128, generator=g)).to(KERNEL_DEVICE, torch.bfloat16)
+    positions = torch.arange(6, device=KERNEL_DEVICE) * 4
     freqs = yarn_frequencies(TINY, 4)
     cos, sin = rope_cos_sin(positions, freqs)
     k = apply_rope(rms_norm(u.to(torch.bfloat16), weight, 1e-6), positions, freqs)
@@ -314,15 +314,15 @@ def test_fused_index_finish_is_bitwise_rope_hadamard_and_fp4(hadamard: bool) -> 
 @needs_triton
 @pytest.mark.parametrize(("ratio", "rotate"), [(4, "main"), (4, "indexer")])
 def test_compressor_fed_in_chunks_equals_the_prefill_form(ratio: int, rotate: str) -> None:
-    weights = ref.random_attention_weights(TINY, 1, generator=generator(8))
+    weights = ref.random_attention_weights(TINY, 1, generator=generator(8), device=KERNEL_DEVICE)
     w = weights.compressor if rotate == "main" else weights.indexer.compressor
-    x = torch.randn(11, TINY.dim, generator=generator(9)).to(torch.bfloat16)
-    positions = torch.arange(11)
+    x = torch.randn(11, TINY.dim, generator=generator(9)).to(KERNEL_DEVICE, torch.bfloat16)
+    positions = torch.arange(11, device=KERNEL_DEVICE)
     numerics = OFFICIAL
-    freqs = yarn_frequencies(TINY, ratio)
+    freqs = yarn_frequencies(TINY, ratio).to(KERNEL_DEVICE)
     kwargs = dict(freqs=freqs, numerics=numerics, rotate=rotate, norm_eps=TINY.norm_eps)
     whole = optimized.compress(x, positions, w, ratio=ratio, head_dim=w.head_dim, backend="triton", **kwargs)
-    state = ref_comp.CompressorState.empty(ratio, w.head_dim)
+    state = ref_comp.CompressorState.empty(ratio, w.head_dim, KERNEL_DEVICE)
     pieces = [oa.compress_chunks(x[a:b], positions[a:b], [0, b - a], [state], w, **kwargs)[0]
               for a, b in ((0, 3), (3, 4), (4, 9), (9, 11))]
     assert calc_diff(torch.cat(pieces).float(), whole.float()) <= COMPRESS_SIMULATED.value
@@ -373,15 +373,15 @@ def test_the_layer_fed_in_chunks_and_single_tokens_equals_one_prefill(kind: str)
     kernels see other token counts per call (other GEMM tiles and splits), so the bound is the layer's
     (ATTENTION_LAYER_SIMULATED)."""
     cfg, layer_id = TINY, layer_of_kind(TINY, kind)
-    weights = ref.random_attention_weights(cfg, layer_id, generator=generator(12))
+    weights = ref.random_attention_weights(cfg, layer_id, generator=generator(12), device=KERNEL_DEVICE)
     layer = optimized.Attention(cfg, layer_id, weights, VLLM_NVIDIA, backend="triton")
     n = cfg.window_size + 20
-    x = torch.randn(n, cfg.dim, generator=generator(13)).to(torch.bfloat16)
-    positions = torch.arange(n)
-    whole = layer(x, positions, torch.tensor([0, n], dtype=torch.int32))
-    cache = optimized.AttentionCache.empty(cfg, layer_id, 1)
+    x = torch.randn(n, cfg.dim, generator=generator(13)).to(KERNEL_DEVICE, torch.bfloat16)
+    positions = torch.arange(n, device=KERNEL_DEVICE)
+    whole = layer(x, positions, torch.tensor([0, n], dtype=torch.int32, device=KERNEL_DEVICE))
+    cache = optimized.AttentionCache.empty(cfg, layer_id, 1, KERNEL_DEVICE)
     cuts = [0, cfg.window_size + 2, cfg.window_size + 3, cfg.window_size + 4, cfg.window_size + 5, n]
-    pieces = [layer(x[a:b], positions[a:b], torch.tensor([0, b - a], dtype=torch.int32), cache)
+    pieces = [layer(x[a:b], positions[a:b], torch.tensor([0, b - a], dtype=torch.int32, device=KERNEL_DEVICE), cache)
               for a, b in pairwise(cuts)]
     assert calc_diff(torch.cat(pieces).float(), whole.float()) <= ATTENTION_LAYER_SIMULATED.value
     assert cache.sequences[0].next_position == n
