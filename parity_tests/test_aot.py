@@ -41,7 +41,9 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def test_every_kernel_is_compiled_for_all_three_targets(aot_rows: list[dict]) -> None:
-    """Each spec on its targets; each kernel function on all three (a platform's tiles cover its targets)."""
+    """Each spec on its targets; each Triton kernel function on all three (a platform's tiles cover its targets).
+    Gluon kernels set one target's layouts by hand and serve only that target (`AotSpec.gluon`): each is compiled
+    for its own target(s), and the portable Triton kernel it stands in for covers all three."""
     from optimized.triton.aot import ALL_TARGETS, all_specs
 
     specs = all_specs()
@@ -49,7 +51,7 @@ def test_every_kernel_is_compiled_for_all_three_targets(aot_rows: list[dict]) ->
     assert len(names) == len(set(names)), "AOT spec names must be unique"
     compiled = {(r["kernel"], r["target"]) for r in aot_rows}
     assert compiled == {(spec.name, target) for spec in specs for target in spec.targets}
-    for kernel in {spec.kernel for spec in specs}:
+    for kernel in {spec.kernel for spec in specs if not spec.gluon}:
         covered = {t for spec in specs if spec.kernel is kernel for t in spec.targets}
         assert covered == set(ALL_TARGETS), f"{kernel.__name__} is compiled for {sorted(covered)} only"
 

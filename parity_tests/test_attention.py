@@ -14,7 +14,7 @@ import torch
 
 import optimized
 from optimized import attention as oa
-from optimized.backends import backend_status, registry
+from optimized.backends import backend_status, detect, registry
 from parity_tests.cases import FP8_FORMATS, TINY_DEVICE, Case, all_cases, generator
 from parity_tests.metrics import calc_diff
 from parity_tests.ops.attention import GPU_CONFIGS, OPS, layer_of_kind
@@ -40,6 +40,10 @@ from reference.rope import apply_rope, rope_cos_sin, yarn_frequencies
 TRITON_OK, TRITON_WHY = backend_status("triton")
 needs_triton = pytest.mark.skipif(not TRITON_OK, reason=f"triton backend unavailable: {TRITON_WHY}")
 DEEPGEMM_OK, DEEPGEMM_WHY = backend_status("deepgemm")
+# the kernel unit tests' tensors: the CPU under TRITON_INTERPRET=1, else the GPU the Triton kernels run on
+KERNEL_DEVICE = "cpu" if detect().interpret else TINY_DEVICE
+# Triton has no e4m3fnuz type for NVIDIA targets (gfx942's format: the interpreter and ROCm only)
+FORMATS_HERE = [f for f in FP8_FORMATS if f == "e4m3fn" or KERNEL_DEVICE == "cpu" or torch.version.hip is not None]
 ATTENTION_OPS = ("sparse_attention", "indexer_scores", "indexer_topk", "compress", "project_q", "project_kv",
                  "indexer_q", "attention")
 
@@ -82,18 +86,20 @@ def test_every_attention_op_is_registered_for_every_backend() -> None:
 
 def _attention_inputs(fmt: str, *, tokens: int = 4, heads: int = 8, rows: int = 200, slots: int = 40, seed: int = 0
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [T, H, 512], kv rows through the FP8 simulation, distinct indices per token with -1 slots, sinks."""
+    """q [T, H, 512], kv rows through the FP8 simulation, distinct indices per token with -1 slots, sinks
+    (drawn on the CPU, on KERNEL_DEVICE)."""
     g = generator(seed)
     q = torch.randn(tokens, heads, 512, generator=g).to(torch.bfloat16)
     kv = torch.randn(rows, 512, generator=g).to(torch.bfloat16)
     kv = torch.cat((quant_dequant_fp8(kv[:, :448], 64, fmt), kv[:, 448:]), dim=1)
     indices = torch.stack([torch.randperm(rows, generator=g)[:slots] for _ in range(tokens)]).to(torch.int32)
     indices[:, ::5] = -1
-    return q, kv, indices, torch.randn(heads, generator=g)
+    sink = torch.randn(heads, generator=g)
+    return q.to(KERNEL_DEVICE), kv.to(KERNEL_DEVICE), indices.to(KERNEL_DEVICE), sink.to(KERNEL_DEVICE)
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS_HERE)
 def test_packed_cache_rows_give_bitwise_the_attention_of_their_unpacked_rows(fmt: str) -> None:
     from optimized.triton import sparse_attention as tsa
 
@@ -154,10 +160,48 @@ def test_tokens_without_any_slot_give_zero_and_no_nan(splits: int) -> None:
 def test_sink_only_enters_the_denominator_unscaled() -> None:
     """One slot: o = v e^z / (e^z + e^sink) exactly as the reference (the sink is not multiplied by the scale)."""
     q, kv, indices, sink = _attention_inputs("e4m3fn", slots=1)
-    indices[:] = torch.arange(q.shape[0], dtype=torch.int32)[:, None]
+    indices[:] = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)[:, None]
     out = optimized.sparse_attention(q, kv, indices, sink * 4, 512**-0.5, backend="triton")
     expected = ref.sparse_attention(q, kv, indices, sink * 4, 512**-0.5)
     assert calc_diff(out.float(), expected.float()) <= SPARSE_ATTENTION_SIMULATED.value
+
+
+SM90 = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (the Gluon kernel of sparse_attention_sm90)")
+@pytest.mark.parametrize(("heads", "slots"), [(64, 100), (128, 640), (64, 1)])
+def test_sm90_kernel_matches_the_portable_kernel_and_the_reference(heads: int, slots: int) -> None:
+    """The Gluon kernel on the cases the portable kernel's tests cover: -1 slots, a token without any slot (0), a
+    NaN query (its head only), K not a multiple of 64, one and two 64-head blocks, no valid slot at all."""
+    from optimized.triton import sparse_attention as tsa
+    from optimized.triton import sparse_attention_sm90 as sm90
+
+    q, kv, indices, sink = _attention_inputs("e4m3fn", tokens=6, heads=heads, rows=700, slots=slots)
+    indices[2] = -1
+    q[4, 3, 10] = float("nan")
+    expected = ref.sparse_attention(q, kv, indices, sink, 512**-0.5)
+    out = sm90.sparse_attention_sm90(q, kv, indices, sink, 512**-0.5, torch.empty_like(q))
+    portable = tsa.sparse_attention(q, kv, indices, sink, 512**-0.5, config=tsa.WIDE["nvidia"][False])
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert bool((out[2] == 0).all())
+    finite = expected.isfinite()
+    assert calc_diff(out[finite].float(), expected[finite].float()) <= SPARSE_ATTENTION_SIMULATED.value
+    assert calc_diff(out[finite].float(), portable[finite].float()) <= SPARSE_ATTENTION_SIMULATED.value
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (the Gluon kernel of sparse_attention_sm90)")
+def test_prefill_launches_of_bf16_rows_run_the_sm90_kernel() -> None:
+    """Enough tokens for 64-head programs without split-KV (`plan`): the op's launch is the Gluon kernel's."""
+    from optimized.triton import sparse_attention as tsa
+    from optimized.triton import sparse_attention_sm90 as sm90
+
+    q, kv, indices, sink = _attention_inputs("e4m3fn", tokens=160, heads=64, rows=700, slots=100)
+    assert tsa.plan(160, 64, 100, packed=False) == (tsa.WIDE["nvidia"][False], 1)
+    direct = sm90.sparse_attention_sm90(q, kv, indices, sink, 512**-0.5, torch.empty_like(q))
+    assert torch.equal(tsa.sparse_attention(q, kv, indices, sink, 512**-0.5), direct)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,7 +229,7 @@ def test_topk_selects_the_largest_visible_scores_with_ties_to_the_lower_index(n:
     scores[1, 1::2] = 0.0
     n_visible = torch.tensor([n, n - 3, 0, 5, 17, n // 2])
     k = 16
-    got = optimized.indexer_topk(scores, n_visible, k, backend="triton")
+    got = optimized.indexer_topk(scores.to(KERNEL_DEVICE), n_visible.to(KERNEL_DEVICE), k, backend="triton")
     want = _stable_topk_sets(scores, n_visible, k)
     for t in range(rows):
         kept = sorted(int(i) for i in got[t] if i >= 0)
@@ -196,8 +240,8 @@ def test_topk_selects_the_largest_visible_scores_with_ties_to_the_lower_index(n:
 @needs_triton
 def test_topk_of_the_reference_scores_equals_the_reference_selection() -> None:
     g = generator(4)
-    scores = torch.randn(9, 30, generator=g)
-    n_visible = torch.arange(9) * 30 // 8
+    scores = torch.randn(9, 30, generator=g).to(KERNEL_DEVICE)
+    n_visible = (torch.arange(9) * 30 // 8).to(KERNEL_DEVICE)
     got = optimized.indexer_topk(scores, n_visible, 8, backend="triton")
     expected = ref.indexer_topk(scores, n_visible, 8)
     assert torch.equal(got.sort(dim=1).values, expected.sort(dim=1).values)
@@ -213,14 +257,14 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS_HERE)
 def test_fused_kv_finish_is_bitwise_the_reference_steps_and_packs_its_bytes(fmt: str) -> None:
     from optimized.triton.rope_quant import rope_quant
 
     g = generator(5)
-    kv = (torch.randn(9, 512, generator=g) * 3).to(torch.bfloat16)
-    weight = (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16)
-    positions = torch.arange(120, 129)
+    kv = (torch.randn(9, 512, generator=g) * 3).to(KERNEL_DEVICE, torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(512, generator=g)).to(KERNEL_DEVICE, torch.bfloat16)
+    positions = torch.arange(120, 129, device=KERNEL_DEVICE)
     freqs = yarn_frequencies(TINY, 4)
     cos, sin = rope_cos_sin(positions, freqs)
     roped = apply_rope(rms_norm(kv, weight, 1e-6), positions, freqs)
@@ -236,8 +280,8 @@ def test_fused_query_finish_is_bitwise_the_official_bf16_head_norm_and_rope() ->
     from optimized.triton.rope_quant import rope_quant
 
     g = generator(6)
-    q = (torch.randn(5, 8, 512, generator=g) * 4).to(torch.bfloat16)
-    positions = torch.tensor([0, 1, 127, 128, 70000])
+    q = (torch.randn(5, 8, 512, generator=g) * 4).to(KERNEL_DEVICE, torch.bfloat16)
+    positions = torch.tensor([0, 1, 127, 128, 70000], device=KERNEL_DEVICE)
     freqs = yarn_frequencies(TINY, 0)
     cos, sin = rope_cos_sin(positions, freqs)
     got = rope_quant(q.view(-1, 512), cos, sin, norm="head_bf16").view(q.shape)
@@ -250,9 +294,9 @@ def test_fused_index_finish_is_bitwise_rope_hadamard_and_fp4(hadamard: bool) -> 
     from optimized.triton.rope_quant import rope_quant
 
     g = generator(7)
-    u = torch.randn(6, 128, generator=g) * 3  # pooled fp32 entries
-    weight = (1 + 0.1 * torch.randn(128, generator=g)).to(torch.bfloat16)
-    positions = torch.arange(6) * 4
+    u = (torch.randn(6, 128, generator=g) * 3).to(KERNEL_DEVICE)  # pooled fp32 entries
+    weight = (1 + 0.1 * torch.randn(128, generator=g)).to(KERNEL_DEVICE, torch.bfloat16)
+    positions = torch.arange(6, device=KERNEL_DEVICE) * 4
     freqs = yarn_frequencies(TINY, 4)
     cos, sin = rope_cos_sin(positions, freqs)
     k = apply_rope(rms_norm(u.to(torch.bfloat16), weight, 1e-6), positions, freqs)
@@ -270,15 +314,15 @@ def test_fused_index_finish_is_bitwise_rope_hadamard_and_fp4(hadamard: bool) -> 
 @needs_triton
 @pytest.mark.parametrize(("ratio", "rotate"), [(4, "main"), (4, "indexer")])
 def test_compressor_fed_in_chunks_equals_the_prefill_form(ratio: int, rotate: str) -> None:
-    weights = ref.random_attention_weights(TINY, 1, generator=generator(8))
+    weights = ref.random_attention_weights(TINY, 1, generator=generator(8), device=KERNEL_DEVICE)
     w = weights.compressor if rotate == "main" else weights.indexer.compressor
-    x = torch.randn(11, TINY.dim, generator=generator(9)).to(torch.bfloat16)
-    positions = torch.arange(11)
+    x = torch.randn(11, TINY.dim, generator=generator(9)).to(KERNEL_DEVICE, torch.bfloat16)
+    positions = torch.arange(11, device=KERNEL_DEVICE)
     numerics = OFFICIAL
-    freqs = yarn_frequencies(TINY, ratio)
+    freqs = yarn_frequencies(TINY, ratio).to(KERNEL_DEVICE)
     kwargs = dict(freqs=freqs, numerics=numerics, rotate=rotate, norm_eps=TINY.norm_eps)
     whole = optimized.compress(x, positions, w, ratio=ratio, head_dim=w.head_dim, backend="triton", **kwargs)
-    state = ref_comp.CompressorState.empty(ratio, w.head_dim)
+    state = ref_comp.CompressorState.empty(ratio, w.head_dim, KERNEL_DEVICE)
     pieces = [oa.compress_chunks(x[a:b], positions[a:b], [0, b - a], [state], w, **kwargs)[0]
               for a, b in ((0, 3), (3, 4), (4, 9), (9, 11))]
     assert calc_diff(torch.cat(pieces).float(), whole.float()) <= COMPRESS_SIMULATED.value
@@ -329,15 +373,15 @@ def test_the_layer_fed_in_chunks_and_single_tokens_equals_one_prefill(kind: str)
     kernels see other token counts per call (other GEMM tiles and splits), so the bound is the layer's
     (ATTENTION_LAYER_SIMULATED)."""
     cfg, layer_id = TINY, layer_of_kind(TINY, kind)
-    weights = ref.random_attention_weights(cfg, layer_id, generator=generator(12))
+    weights = ref.random_attention_weights(cfg, layer_id, generator=generator(12), device=KERNEL_DEVICE)
     layer = optimized.Attention(cfg, layer_id, weights, VLLM_NVIDIA, backend="triton")
     n = cfg.window_size + 20
-    x = torch.randn(n, cfg.dim, generator=generator(13)).to(torch.bfloat16)
-    positions = torch.arange(n)
-    whole = layer(x, positions, torch.tensor([0, n], dtype=torch.int32))
-    cache = optimized.AttentionCache.empty(cfg, layer_id, 1)
+    x = torch.randn(n, cfg.dim, generator=generator(13)).to(KERNEL_DEVICE, torch.bfloat16)
+    positions = torch.arange(n, device=KERNEL_DEVICE)
+    whole = layer(x, positions, torch.tensor([0, n], dtype=torch.int32, device=KERNEL_DEVICE))
+    cache = optimized.AttentionCache.empty(cfg, layer_id, 1, KERNEL_DEVICE)
     cuts = [0, cfg.window_size + 2, cfg.window_size + 3, cfg.window_size + 4, cfg.window_size + 5, n]
-    pieces = [layer(x[a:b], positions[a:b], torch.tensor([0, b - a], dtype=torch.int32), cache)
+    pieces = [layer(x[a:b], positions[a:b], torch.tensor([0, b - a], dtype=torch.int32, device=KERNEL_DEVICE), cache)
               for a, b in pairwise(cuts)]
     assert calc_diff(torch.cat(pieces).float(), whole.float()) <= ATTENTION_LAYER_SIMULATED.value
     assert cache.sequences[0].next_position == n

@@ -25,7 +25,8 @@ from optimized.triton._fp8 import fp8_constants
 KERNEL_MODULES: tuple[str, ...] = ("optimized.triton.quant", "optimized.triton.einsum", "optimized.triton.moe_routing",
                                    "optimized.triton.moe_permute", "optimized.triton.moe_gemm",
                                    "optimized.triton.sparse_attention", "optimized.triton.indexer",
-                                   "optimized.triton.rope_quant", "optimized.triton.compressor")
+                                   "optimized.triton.rope_quant", "optimized.triton.compressor",
+                                   "optimized.triton.sparse_attention_sm90")
 
 # (name, backend, arch, warp size, FP8 format native to the target)
 TARGETS = (
@@ -59,6 +60,7 @@ class AotSpec:
             specializes on that (`tt.divisibility = 16`) and only then vectorizes and pipelines loads; an
             AOT compile without it reports scalar loads, no pipelining and inflated registers.
         targets: the targets this launch happens on (a platform's tiles: `PLATFORM_TARGETS`).
+        gluon: the kernel is a `@gluon.jit` function (Triton's layout-explicit dialect; one target's layouts).
     """
 
     name: str
@@ -70,6 +72,7 @@ class AotSpec:
     num_stages: int = 2
     aligned: tuple[str, ...] = ()
     targets: tuple[str, ...] = ALL_TARGETS
+    gluon: bool = False
 
 
 def tile_platform() -> str:
@@ -129,7 +132,12 @@ def compile_one(spec: AotSpec, target: tuple[str, str, Any, int, str]) -> dict[s
     row: dict[str, Any] = {"kernel": spec.name, "target": name, "fmt": fmt}
     try:
         attrs = {(spec.kernel.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in spec.aligned}
-        src = triton.compiler.ASTSource(fn=spec.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        if spec.gluon:
+            from triton.experimental.gluon._runtime import GluonASTSource
+
+            src = GluonASTSource(spec.kernel, signature, constexprs, attrs)
+        else:
+            src = triton.compiler.ASTSource(fn=spec.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
         kernel = triton.compile(src, target=GPUTarget(backend, arch, warp),
                                 options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
         row.update(_resources(kernel, name))

@@ -16,6 +16,9 @@ Packed cache rows (`reference.cache` layout, 584 bytes per token): 448 FP8 NoPE 
 `fp8 * 2^(e - 127)` in fp32 (exact: the product of an E4M3 value and a power of two is a bf16 value) and uses
 the bf16 tile as above, so reading the packed cache equals reading its unpacked bf16 rows.
 
+On sm_90 GPUs the bf16-row launches with 64-head programs and no split-KV (prefill) run the same loop as a Gluon
+kernel that splits S between the two warpgroups (`sparse_attention_sm90`).
+
 Decode has few tokens, so the candidates of each (token, head block) can be split over several programs
 (split-KV); each writes its unnormalised fp32 accumulator and its (max, sum) pair, and a second kernel merges the
 splits in a fixed order with the sink. No atomics: results are bitwise reproducible.
@@ -30,6 +33,7 @@ import triton
 import triton.language as tl
 
 from optimized.backends import detect
+from optimized.triton import sparse_attention_sm90 as sm90
 from optimized.triton._fp8 import prepare_interpreter
 from optimized.triton.aot import ALL_TARGETS, PLATFORM_TARGETS, AotSpec, tile_platform
 
@@ -306,6 +310,8 @@ def _launch(
     rows_per_split = triton.cdiv(triton.cdiv(max(n_candidates, 1), max(splits, 1)), block_n) * block_n
     splits = triton.cdiv(max(n_candidates, 1), rows_per_split)
     kv_main, kv_rope, kv_scale = kv_views
+    if not packed and config is None and not detect().interpret and sm90.supported(q, heads_per_program, splits):
+        return sm90.sparse_attention_sm90(q, kv_main, indices, sink, scale, out)
     if splits > 1:
         part_acc = torch.empty((splits, n_tokens, n_heads, HEAD_DIM), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((splits, n_tokens, n_heads, 2), dtype=torch.float32, device=q.device)
