@@ -109,7 +109,7 @@ def _metric(t: Target, r: Result, results: dict[tuple[str, str, int, str], Resul
         if r.vs_reference is None:
             ref = results.get((t.op, t.config, t.tokens, "reference"))
             return None, f"reference not measured ({ref.reason if ref is not None else 'no result'})"
-        return r.vs_reference, f"{r.vs_reference:.1f}x ({r.candidate} {r.time_s * 1e3:.2f} ms)"
+        return r.vs_reference, f"{r.vs_reference:.2f}x ({r.candidate} {r.time_s * 1e3:.2f} ms)"
     if t.metric in ("weight_bw", "bytes_bw"):
         counted = r.weight_bytes if t.metric == "weight_bw" else r.bytes
         frac = counted / r.time_s / roofline.copy_bytes

@@ -16,8 +16,9 @@ Packed cache rows (`reference.cache` layout, 584 bytes per token): 448 FP8 NoPE 
 `fp8 * 2^(e - 127)` in fp32 (exact: the product of an E4M3 value and a power of two is a bf16 value) and uses
 the bf16 tile as above, so reading the packed cache equals reading its unpacked bf16 rows.
 
-On sm_90 GPUs the bf16-row launches with 64-head programs and no split-KV (prefill) run the same loop as a Gluon
-kernel that splits S between the two warpgroups (`sparse_attention_sm90`).
+On sm_90 GPUs the bf16-row launches with 64-head programs and no split-KV (prefill) run the same loop as a
+warp-specialized Gluon kernel: a producer warpgroup gathers the rows, and the two consumer warpgroups split S
+between them (`sparse_attention_sm90`).
 
 Decode has few tokens, so the candidates of each (token, head block) can be split over several programs
 (split-KV); each writes its unnormalised fp32 accumulator and its (max, sum) pair, and a second kernel merges the
