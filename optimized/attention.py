@@ -228,7 +228,7 @@ def sparse_attention(
         [T, H, 512] bf16.
     """
     check_sparse_attention_args(q, kv, indices, sink, scale, fmt)
-    return implementation("sparse_attention", backend).load()(q, kv, indices, sink, float(scale), fmt=fmt)
+    return implementation("sparse_attention", backend, ("q", q)).load()(q, kv, indices, sink, float(scale), fmt=fmt)
 
 
 def sparse_attention_reference(
@@ -313,7 +313,7 @@ def project_q(
     numerics: Numerics, *, backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries `[T, H, 512]` bf16 and the latent `c_q` `[T, q_lora_rank]` (see `reference.attention.project_q`)."""
-    impl = implementation("project_q", backend)
+    impl = implementation("project_q", backend, ("x", x))
     _check_projection(x, w, cfg, positions, freqs, numerics, impl.backend, ("wq_a", "wq_b"))
     return impl.load()(x, w, cfg, positions, freqs, numerics)
 
@@ -323,7 +323,7 @@ def project_kv(
     numerics: Numerics, *, backend: str | None = None,
 ) -> torch.Tensor:
     """Window KV rows `[T, 512]` bf16 (see `reference.attention.project_kv`)."""
-    impl = implementation("project_kv", backend)
+    impl = implementation("project_kv", backend, ("x", x))
     _check_projection(x, w, cfg, positions, freqs, numerics, impl.backend, ("wkv",))
     return impl.load()(x, w, cfg, positions, freqs, numerics)
 
@@ -333,7 +333,7 @@ def indexer_q(
     numerics: Numerics, *, backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Index queries `[T, Hi, 128]` bf16 and head weights `[T, Hi]` fp32 (see `reference.indexer.indexer_q`)."""
-    impl = implementation("indexer_q", backend)
+    impl = implementation("indexer_q", backend, ("c_q", c_q))
     numerics = _check_numerics(numerics, impl.backend)
     if not isinstance(w, IndexerWeights):
         raise TypeError(f"w: expected IndexerWeights, got {type(w).__name__}")
@@ -392,7 +392,7 @@ def indexer_scores(
     backend: str | None = None,
 ) -> torch.Tensor:
     """Scores `[T, N]` fp32 of every token against every key (see `reference.indexer.indexer_scores`)."""
-    impl = implementation("indexer_scores", backend)
+    impl = implementation("indexer_scores", backend, ("q_idx", q_idx))
     _check_indexer_scores_args(q_idx, k_idx, head_weights, numerics, impl.backend)
     return impl.load()(q_idx, k_idx, head_weights, numerics)
 
@@ -425,7 +425,7 @@ def indexer_topk(
     if not in_range:
         raise ValueError(f"n_visible: expected values in 0..{scores.shape[1]} (the number of entries), got "
                          f"{int(n_visible.min())}..{int(n_visible.max())}")
-    return implementation("indexer_topk", backend).load()(scores, n_visible, topk)
+    return implementation("indexer_topk", backend, ("scores", scores)).load()(scores, n_visible, topk)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -517,7 +517,7 @@ def compress(
 ) -> torch.Tensor:
     """Prefill form of the compressor: `[T // ratio, head_dim]` bf16 entries of one sequence at positions
     0 .. T-1 (see `reference.compressor.compress`)."""
-    impl = implementation("compress", backend)
+    impl = implementation("compress", backend, ("x", x))
     if not isinstance(weights, CompressorWeights):
         raise TypeError(f"weights: expected CompressorWeights, got {type(weights).__name__}")
     if not isinstance(numerics, Numerics):
@@ -717,7 +717,7 @@ class Attention(nn.Module):
         if not isinstance(weights, AttentionWeights):
             raise TypeError(f"weights: expected AttentionWeights, got {type(weights).__name__}")
         weights.check(cfg, layer_id)
-        self.backend = implementation("attention", backend).backend
+        self.backend = implementation("attention", backend, ("weights", weights.attn_sink)).backend
         _check_numerics(numerics, self.backend)
         # the reference backend is the reference layer itself (with the reference's cache type)
         self._reference = ref.Attention(cfg, layer_id, weights, numerics) if self.backend == "reference" else None

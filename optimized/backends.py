@@ -23,7 +23,10 @@ import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 BACKENDS = ("deepgemm", "triton", "reference")
 
@@ -181,11 +184,27 @@ def _load_ops() -> None:
     importlib.import_module("optimized")  # the op modules register themselves on import
 
 
-def select(op: str, backend: str | None = None) -> Implementation:
-    """Pick the implementation of `op`: `backend` > `DSV4_BACKEND` > best available.
+def device_status(backend: str, device: torch.device) -> tuple[bool, str]:
+    """Whether `backend` takes tensors on `device` here, and if not, why: the GPU backends take GPU tensors, and
+    Triton takes CPU tensors only under `TRITON_INTERPRET=1`."""
+    if backend == "reference" or device.type == "cuda" or (backend == "triton" and detect().interpret):
+        return True, ""
+    if backend == "triton":
+        return False, ("the triton backend takes CPU tensors only under TRITON_INTERPRET=1 (the CPU interpreter); "
+                       "move the inputs to the GPU, or use backend='reference'")
+    return False, "DeepGEMM takes CUDA tensors; move the inputs to the GPU, or use backend='reference'"
+
+
+def select(op: str, backend: str | None = None, inputs: tuple[str, torch.device] | None = None) -> Implementation:
+    """Pick the implementation of `op`: `backend` > `DSV4_BACKEND` > best available (for the inputs' device).
+
+    `inputs` is (argument name, device) of the call's tensors: a requested backend that cannot take them is an
+    error naming that argument; without a request the best backend that can take them is chosen (CPU tensors on a
+    GPU machine: the reference).
 
     Raises:
-        ValueError: unknown op or backend name, or a backend that does not implement `op`.
+        ValueError: unknown op or backend name, a backend that does not implement `op`, or one that cannot take
+            tensors on the inputs' device.
         RuntimeError: the requested backend is not available on this machine (with the reason).
     """
     _load_ops()
@@ -202,16 +221,15 @@ def select(op: str, backend: str | None = None) -> Implementation:
         ok, why = backend_status(requested)
         if not ok:
             raise RuntimeError(f"backend {requested!r} is not available on this machine: {why}")
+        if inputs is not None:
+            ok, why = device_status(requested, inputs[1])
+            if not ok:
+                raise ValueError(f"{inputs[0]}: on {inputs[1]}; {why}")
         return impls[requested]
     for name in BACKENDS:
-        if name in impls and backend_status(name)[0]:
+        if name in impls and backend_status(name)[0] and (inputs is None or device_status(name, inputs[1])[0]):
             return impls[name]
     raise RuntimeError(f"no backend available for {op!r}")  # reference is always registered in practice
-
-
-def dispatch(op: str, backend: str | None, *args: Any, **kwargs: Any) -> Any:
-    """Call the selected implementation of `op`."""
-    return select(op, backend).load()(*args, **kwargs)
 
 
 _VALUE_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar("dsv4_value_checks", default=True)

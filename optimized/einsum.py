@@ -54,7 +54,7 @@ def fp8_einsum(
 ) -> torch.Tensor:
     """Block-scaled FP8 einsum (see `reference.einsum.fp8_einsum` for the expressions and scale layouts)."""
     check_fp8_einsum_args(expr, a, b, out, recipe)
-    return resolve("fp8_einsum", backend)[1](expr, a, b, out, recipe=recipe)
+    return resolve("fp8_einsum", backend, ("a", a[0]))[1](expr, a, b, out, recipe=recipe)
 
 
 def quantize_attn_output(
@@ -72,7 +72,7 @@ def quantize_attn_output(
     TMA-aligned layout for deepgemm); the logical shape and values are the same.
     """
     check_attn_output_args(o, positions, freqs, n_groups, fmt)
-    return resolve("quantize_attn_output", backend)[1](o, positions, freqs, n_groups=n_groups, fmt=fmt)
+    return resolve("quantize_attn_output", backend, ("o", o))[1](o, positions, freqs, n_groups=n_groups, fmt=fmt)
 
 
 def _check_optimized_numerics(numerics: Numerics, backend: str) -> None:
@@ -117,10 +117,10 @@ def _compose_output_projection_checked(
     GEMM re-lays them out.
     """
     groups = o.shape[1] * o.shape[2] // wo_a.data.shape[1]
-    o_fp8, o_scale = resolve("quantize_attn_output", backend)[1](o, positions, freqs, n_groups=groups,
-                                                                fmt=numerics.fp8_format)
-    z = resolve("fp8_einsum", backend)[1]("bhr,hdr->bhd", (o_fp8, o_scale), grouped_wo_a(wo_a, groups))
-    return resolve("fp8_linear", backend)[1](z.flatten(1), wo_b, numerics)
+    o_fp8, o_scale = resolve("quantize_attn_output", backend, ("o", o))[1](o, positions, freqs, n_groups=groups,
+                                                                           fmt=numerics.fp8_format)
+    z = resolve("fp8_einsum", backend, ("o", o))[1]("bhr,hdr->bhd", (o_fp8, o_scale), grouped_wo_a(wo_a, groups))
+    return resolve("fp8_linear", backend, ("o", o))[1](z.flatten(1), wo_b, numerics)
 
 
 output_projection_triton = partial(_compose_output_projection, "triton")
@@ -144,7 +144,7 @@ def output_projection(
     The optimized backends implement the FP8 path (`numerics.wo_a == "fp8"`, vLLM / DeepGEMM numerics).
     """
     check_output_projection_args(o, positions, freqs, wo_a, wo_b, numerics)
-    name, run = resolve("output_projection", backend)
+    name, run = resolve("output_projection", backend, ("o", o))
     if name != "reference":
         _check_optimized_numerics(numerics, name)
     return run(o, positions, freqs, wo_a, wo_b, numerics)

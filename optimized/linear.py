@@ -26,30 +26,33 @@ register("fp8_linear", "deepgemm", "optimized.deepgemm.linear:fp8_linear",
          note="Triton act quant (DeepGEMM's scale layout) + fp8_gemm_nt; e4m3fn, act_block 128")
 
 
-def implementation(op: str, backend: str | None) -> Implementation:
-    """`backends.select`, with an unavailable backend reported as a ValueError naming `backend`."""
+def implementation(op: str, backend: str | None, inputs: tuple[str, object] | None = None) -> Implementation:
+    """`backends.select` for a call whose tensors are `inputs` = (argument name, value; its device counts when it
+    is a tensor), with an unavailable backend reported as a ValueError naming `backend`."""
+    name, value = inputs if inputs is not None else ("", None)
     try:
-        return select(op, backend)
+        return select(op, backend, (name, value.device) if isinstance(value, torch.Tensor) else None)
     except RuntimeError as exc:
         raise ValueError(f"backend: {exc}") from exc
 
 
-# (op, backend, DSV4_BACKEND, TRITON_INTERPRET) -> (backend name, function); see `resolve`.
-_RESOLVED: dict[tuple[str, str | None, str | None, str | None], tuple[str, Callable[..., Any]]] = {}
+# (op, backend, DSV4_BACKEND, TRITON_INTERPRET, device type) -> (backend name, function); see `resolve`.
+_RESOLVED: dict[tuple[str, str | None, str | None, str | None, str], tuple[str, Callable[..., Any]]] = {}
 
 
-def resolve(op: str, backend: str | None) -> tuple[str, Callable[..., Any]]:
-    """The backend that runs `op` and the function a public op calls after validating its arguments.
+def resolve(op: str, backend: str | None, inputs: tuple[str, torch.Tensor]) -> tuple[str, Callable[..., Any]]:
+    """The backend that runs `op` on `inputs` (argument name, tensor) and the function a public op calls after
+    validating its arguments.
 
     That function is the registered one's `<name>_checked` sibling where the backend module has one (it skips
     the generic argument checks the public op has just run, keeping only the backend's own), else the
-    registered function. The lookup is cached per (op, backend, `DSV4_BACKEND`, `TRITON_INTERPRET`): it depends
-    on nothing else (hardware detection is cached too), and errors are never cached.
+    registered function. The lookup is cached per (op, backend, `DSV4_BACKEND`, `TRITON_INTERPRET`, the inputs'
+    device type): it depends on nothing else (hardware detection is cached too), and errors are never cached.
     """
-    key = (op, backend, os.environ.get("DSV4_BACKEND"), os.environ.get("TRITON_INTERPRET"))
+    key = (op, backend, os.environ.get("DSV4_BACKEND"), os.environ.get("TRITON_INTERPRET"), inputs[1].device.type)
     hit = _RESOLVED.get(key)
     if hit is None:
-        impl = implementation(op, backend)
+        impl = implementation(op, backend, inputs)
         module_name, _, attr = impl.target.partition(":")
         module = importlib.import_module(module_name)
         hit = _RESOLVED[key] = (impl.backend, getattr(module, f"{attr}_checked", None) or getattr(module, attr))
@@ -96,4 +99,4 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, numerics: Numerics, *, backen
         [..., N] bf16.
     """
     check_fp8_linear_args(x, weight, numerics)
-    return resolve("fp8_linear", backend)[1](x, weight, numerics)
+    return resolve("fp8_linear", backend, ("x", x))[1](x, weight, numerics)

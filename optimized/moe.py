@@ -269,7 +269,7 @@ def route(
     """
     x = _check_x(x)
     _check_router(x, gate_weight, bias, token_ids, tid2eid, cfg)
-    impl = select("route", backend).load()
+    impl = select("route", backend, ("x", x.device)).load()
     return impl(x, gate_weight, bias, token_ids=token_ids, tid2eid=tid2eid, cfg=cfg)
 
 
@@ -300,7 +300,7 @@ def experts(
     x = _check_x(x)
     numerics = _check_numerics(numerics)
     repeated = _check_experts(x, topk_ids, topk_weights, w13, w2, numerics)
-    impl = select("experts", backend)
+    impl = select("experts", backend, ("x", x.device))
     # DeepGEMM's masked layout (decode) gives each expert T rows: a row that repeats an id needs the contiguous one
     extra = {"layout": "contiguous"} if impl.backend == "deepgemm" and repeated else {}
     return impl.load()(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, numerics=numerics, **extra)
@@ -329,7 +329,7 @@ def moe(
     x = _check_x(x)
     numerics = _check_numerics(numerics)
     repeated = _check_moe(x, weights, token_ids, cfg, numerics)
-    impl = select("moe", backend)
+    impl = select("moe", backend, ("x", x.device))
     extra = {"layout": "contiguous"} if impl.backend == "deepgemm" and repeated else {}
     return impl.load()(x, weights, token_ids=token_ids, cfg=cfg, numerics=numerics, **extra)
 
@@ -349,7 +349,7 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.numerics = _check_numerics(numerics)
         self.backend = backend
-        if select("moe", backend).backend != "reference":
+        if select("moe", backend, ("weights", weights.gate.device)).backend != "reference":
             fp8_experts(weights.w13, weights.w2, numerics.fp8_format)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,11 +14,11 @@ import torch
 
 import optimized
 from optimized import attention as oa
-from optimized.backends import backend_status, detect, registry
-from parity_tests.cases import FP8_FORMATS, TINY_DEVICE, Case, all_cases, generator
+from optimized.backends import backend_status, registry
+from parity_tests.cases import TINY_DEVICE, Case, all_cases, generator
 from parity_tests.metrics import calc_diff
 from parity_tests.ops.attention import GPU_CONFIGS, OPS, layer_of_kind
-from parity_tests.testing import assert_case_passes
+from parity_tests.testing import KERNEL_DEVICE, KERNEL_FP8_FORMATS, assert_case_passes
 from parity_tests.tolerances import (
     ATTENTION_LAYER_SIMULATED,
     COMPRESS_SIMULATED,
@@ -40,10 +40,6 @@ from reference.rope import apply_rope, rope_cos_sin, yarn_frequencies
 TRITON_OK, TRITON_WHY = backend_status("triton")
 needs_triton = pytest.mark.skipif(not TRITON_OK, reason=f"triton backend unavailable: {TRITON_WHY}")
 DEEPGEMM_OK, DEEPGEMM_WHY = backend_status("deepgemm")
-# the kernel unit tests' tensors: the CPU under TRITON_INTERPRET=1, else the GPU the Triton kernels run on
-KERNEL_DEVICE = "cpu" if detect().interpret else TINY_DEVICE
-# Triton has no e4m3fnuz type for NVIDIA targets (gfx942's format: the interpreter and ROCm only)
-FORMATS_HERE = [f for f in FP8_FORMATS if f == "e4m3fn" or KERNEL_DEVICE == "cpu" or torch.version.hip is not None]
 ATTENTION_OPS = ("sparse_attention", "indexer_scores", "indexer_topk", "compress", "project_q", "project_kv",
                  "indexer_q", "attention")
 
@@ -99,7 +95,7 @@ def _attention_inputs(fmt: str, *, tokens: int = 4, heads: int = 8, rows: int = 
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt", FORMATS_HERE)
+@pytest.mark.parametrize("fmt", KERNEL_FP8_FORMATS)
 def test_packed_cache_rows_give_bitwise_the_attention_of_their_unpacked_rows(fmt: str) -> None:
     from optimized.triton import sparse_attention as tsa
 
@@ -257,7 +253,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt", FORMATS_HERE)
+@pytest.mark.parametrize("fmt", KERNEL_FP8_FORMATS)
 def test_fused_kv_finish_is_bitwise_the_reference_steps_and_packs_its_bytes(fmt: str) -> None:
     from optimized.triton.rope_quant import rope_quant
 

@@ -39,3 +39,31 @@ def test_corpus_covers_every_public_op_and_category() -> None:
     assert len(CORPUS) >= 40
     assert {e.category for e in CORPUS} == set(CATEGORIES)
     assert set(registry()) <= {e.op for e in CORPUS}
+
+
+def test_cpu_tensors_on_a_gpu_machine_name_the_argument_or_select_the_reference(monkeypatch: pytest.MonkeyPatch
+                                                                                 ) -> None:
+    """On a GPU machine without TRITON_INTERPRET the GPU backends cannot take CPU tensors: a requested one is a
+    ValueError naming the argument (not Triton's launch error), and automatic selection picks the reference."""
+    import dataclasses
+
+    import optimized
+    from optimized import backends, linear
+    from reference.numerics import VLLM_NVIDIA
+    from reference.weights import random_fp8_weight
+
+    gpu = dataclasses.replace(backends.detect(), device="cuda", name="a GPU", arch="sm90", triton="3.6.0",
+                              deep_gemm="2.8.2", deep_gemm_error=None, interpret=False)
+    monkeypatch.setattr(backends, "detect", lambda: gpu)
+    monkeypatch.setattr(linear, "_RESOLVED", {})  # selections cached under the real hardware
+    q, kv = torch.zeros(2, 8, 512, dtype=torch.bfloat16), torch.zeros(4, 512, dtype=torch.bfloat16)
+    indices, sink = torch.zeros(2, 1, dtype=torch.int32), torch.zeros(8)
+    with pytest.raises(ValueError, match=r"^q: on cpu; the triton backend takes CPU tensors only under TRITON_INT"):
+        optimized.sparse_attention(q, kv, indices, sink, 0.1, backend="triton")
+    x, weight = torch.zeros(3, 256, dtype=torch.bfloat16), random_fp8_weight(128, 256)
+    with pytest.raises(ValueError, match=r"^x: on cpu; DeepGEMM takes CUDA tensors"):
+        optimized.fp8_linear(x, weight, VLLM_NVIDIA, backend="deepgemm")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for op in ("sparse_attention", "fp8_linear", "experts", "moe", "attention"):
+        assert backends.select(op, None, ("x", cpu)).backend == "reference", op
+        assert backends.select(op, None, ("x", cuda)).backend == "deepgemm", op

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from optimized import custom_ops
+from optimized.backends import backend_status
 from parity_tests import probes
 from parity_tests.probes import Probe
+from parity_tests.testing import KERNEL_DEVICE
 
 custom_ops.register()
 
@@ -16,9 +18,9 @@ custom_ops.register()
 PROBES = {p.op: p for p in probes.all_probes("TINY", "cpu") if p.only is None}
 
 
-def _args(probe: Probe, backend: str) -> tuple[object, ...]:
-    """The probe's inputs as the custom op's arguments."""
-    i = probe.make("cpu", 0)
+def _args(probe: Probe, backend: str, device: str = "cpu") -> tuple[object, ...]:
+    """The probe's inputs on `device` as the custom op's arguments."""
+    i = probe.make(device, 0)
     if probe.op == "fp8_einsum":
         return ("bhr,hdr->bhd", *i["a"], *i["b"], [1, 128, 128], backend)
     if probe.op == "quantize_attn_output":
@@ -122,8 +124,9 @@ def test_torch_compile_fullgraph_traces_moe_and_sparse_attention() -> None:
     assert all(probes.bitwise_mismatches(a, b) == 0 for a, b in zip(got, expect))
 
 
+@pytest.mark.skipif(not backend_status("triton")[0], reason=f"triton unavailable: {backend_status('triton')[1]}")
 def test_triton_backend_through_the_custom_op_equals_the_direct_call() -> None:
     probe = PROBES["fp8_linear"]
-    direct = probe.run("triton", "cpu")[0]
-    via_op = torch.ops.dsv4.fp8_linear(*_args(probe, "triton"))
+    direct = probe.run("triton", KERNEL_DEVICE)[0]
+    via_op = torch.ops.dsv4.fp8_linear(*_args(probe, "triton", KERNEL_DEVICE))
     assert probes.bitwise_mismatches(direct, via_op) == 0

@@ -21,7 +21,7 @@ from optimized.deepgemm import linear as dg_linear
 from parity_tests.cases import FP8_FORMATS, TINY_DEVICE, Case, all_cases, generator
 from parity_tests.metrics import calc_diff
 from parity_tests.ops.einsum import GPU_CONFIGS, OPS
-from parity_tests.testing import assert_case_passes
+from parity_tests.testing import KERNEL_DEVICE, KERNEL_FP8_FORMATS, assert_case_passes
 from parity_tests.tolerances import FP8_END_TO_END, FP8_GEMM_SIMULATED, fp8_quant_dequant_bound
 from reference import einsum as ref
 from reference.config import TINY
@@ -213,7 +213,7 @@ def _awkward_rows(m: int, k: int, seed: int) -> torch.Tensor:
     x[3] = 1e-6
     x[4, 5] = float("nan")
     x[5, 40] = -float("inf")
-    return x.to(torch.bfloat16)
+    return x.to(KERNEL_DEVICE, torch.bfloat16)
 
 
 def _same_fp8(q: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -223,7 +223,7 @@ def _same_fp8(q: torch.Tensor, expected: torch.Tensor) -> bool:
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("fmt", KERNEL_FP8_FORMATS)
 @pytest.mark.parametrize("block", [32, 64, 128])
 def test_triton_quantize_per_token_bytes_equal_the_reference(block: int, fmt: str) -> None:
     from optimized.triton.quant import quantize_per_token as triton_quantize
@@ -249,15 +249,15 @@ def test_triton_quantize_per_token_writes_deepgemm_scales_mn_major_aligned_with_
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("fmt", KERNEL_FP8_FORMATS)
 def test_triton_quantize_attn_output_deepgemm_layout_has_the_same_values(fmt: str) -> None:
     from optimized.triton.quant import quantize_attn_output as triton_quantize
 
     t = 5
-    o = torch.randn(t, TINY.n_heads, TINY.head_dim, generator=generator(11)).to(torch.bfloat16)
+    o = torch.randn(t, TINY.n_heads, TINY.head_dim, generator=generator(11)).to(KERNEL_DEVICE, torch.bfloat16)
     o[2, 3] = 0.0  # an all-zero head takes the 1e-10 eps floor
-    positions = torch.randint(0, 1 << 20, (t,), generator=generator(12))
-    freqs = yarn_frequencies(TINY, 128)
+    positions = torch.randint(0, 1 << 20, (t,), generator=generator(12)).to(KERNEL_DEVICE)
+    freqs = yarn_frequencies(TINY, 128).to(KERNEL_DEVICE)
     rq, rs = ref.quantize_attn_output(o, positions, freqs, n_groups=TINY.o_groups, fmt=fmt)
     q, s = triton_quantize(o, positions, freqs, n_groups=TINY.o_groups, fmt=fmt, scale_layout="deepgemm")
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
@@ -273,8 +273,8 @@ Pair = tuple[torch.Tensor, torch.Tensor]
 def _einsum_inputs(b: int, fmt: str, recipe: tuple[int, int, int] = (1, 128, 128), seed: int = 13) -> tuple[Pair, Pair]:
     h, r, d = TINY.o_groups, TINY.o_group_dim, TINY.o_lora_rank
     g = generator(seed)
-    a = quantize_per_token(torch.randn(b, h, r, generator=g).to(torch.bfloat16), 128, fmt)
-    w, sw = quantize_per_block(torch.randn(h, d, r, generator=g) * r**-0.5, 128, fmt)
+    a = quantize_per_token(torch.randn(b, h, r, generator=g).to(KERNEL_DEVICE, torch.bfloat16), 128, fmt)
+    w, sw = quantize_per_block((torch.randn(h, d, r, generator=g) * r**-0.5).to(KERNEL_DEVICE), 128, fmt)
     if recipe == (1, 1, 128):
         sw = sw.repeat_interleave(128, dim=1)
     return a, (w, sw)
@@ -301,7 +301,7 @@ def test_triton_split_k_einsum_is_bitwise_reproducible_and_writes_the_given_out(
     a, b = _einsum_inputs(3, "e4m3fn")
     config = EinsumConfig(block_m=16, block_n=64, split_k=8, num_warps=4, num_stages=2)
     first = triton_einsum("bhr,hdr->bhd", a, b, config=config)
-    out = torch.full((TINY.o_groups, 3, TINY.o_lora_rank), float("nan")).transpose(0, 1)  # strided fp32 out
+    out = torch.full((TINY.o_groups, 3, TINY.o_lora_rank), float("nan"), device=KERNEL_DEVICE).transpose(0, 1)
     again = triton_einsum("bhr,hdr->bhd", a, b, out, config=config)
     assert again is out
     assert torch.equal(out.to(torch.bfloat16), first)
@@ -312,9 +312,10 @@ def test_triton_einsum_reads_the_quantizers_transposed_data_and_deepgemm_scales(
     from optimized.triton.quant import quantize_attn_output as triton_quantize
 
     t = 6
-    o = torch.randn(t, TINY.n_heads, TINY.head_dim, generator=generator(14)).to(torch.bfloat16)
-    positions = torch.randint(0, 1 << 20, (t,), generator=generator(15))
-    q, s = triton_quantize(o, positions, yarn_frequencies(TINY, 4), n_groups=TINY.o_groups, scale_layout="deepgemm")
+    o = torch.randn(t, TINY.n_heads, TINY.head_dim, generator=generator(14)).to(KERNEL_DEVICE, torch.bfloat16)
+    positions = torch.randint(0, 1 << 20, (t,), generator=generator(15)).to(KERNEL_DEVICE)
+    freqs = yarn_frequencies(TINY, 4).to(KERNEL_DEVICE)
+    q, s = triton_quantize(o, positions, freqs, n_groups=TINY.o_groups, scale_layout="deepgemm")
     _, b = _einsum_inputs(1, "e4m3fn")
     out = optimized.fp8_einsum("bhr,hdr->bhd", (q, s), b, backend="triton")
     expected = ref.fp8_einsum("bhr,hdr->bhd", (q.contiguous(), s.contiguous()), b)
@@ -322,11 +323,11 @@ def test_triton_einsum_reads_the_quantizers_transposed_data_and_deepgemm_scales(
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("fmt", KERNEL_FP8_FORMATS)
 def test_triton_fp8_linear_with_per_32_activation_scales_matches_the_reference(fmt: str) -> None:
     numerics = OFFICIAL.replace(fp8_format=fmt, act_block=32)
-    weight = random_fp8_weight(384, 256, fmt=fmt, generator=generator(16))
-    x = torch.randn(2, 3, 256, generator=generator(17)).to(torch.bfloat16)  # leading dims are flattened
+    weight = random_fp8_weight(384, 256, fmt=fmt, generator=generator(16), device=KERNEL_DEVICE)
+    x = torch.randn(2, 3, 256, generator=generator(17)).to(KERNEL_DEVICE, torch.bfloat16)  # leading dims flattened
     out = optimized.fp8_linear(x, weight, numerics, backend="triton")
     assert out.shape == (2, 3, 384)
     assert calc_diff(out, ref_fp8_linear(x, weight, numerics)) <= FP8_GEMM_SIMULATED.value

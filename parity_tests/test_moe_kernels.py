@@ -2,7 +2,8 @@
 MoE API (`optimized/moe.py`), each against a small torch oracle built from `reference.moe` on identical inputs.
 
 On the CPU the Triton kernels run under `TRITON_INTERPRET=1` at shapes smaller than TINY (D 256, I 256, 8
-experts, top-4): two K blocks in every GEMM (so the per-block scale promotion is exercised), few programs.
+experts, top-4): two K blocks in every GEMM (so the per-block scale promotion is exercised), few programs
+(these CPU-tensor tests run only in the interpreter).
 The whole-op parity at TINY / FLASH / PRO shapes lives in `test_moe.py` (cases of `parity_tests/ops/moe.py`).
 The GPU tests at the end run the Triton GPU tile configurations and DeepGEMM's two grouped layouts.
 """
@@ -16,7 +17,7 @@ import re
 import pytest
 import torch
 
-from optimized.backends import backend_status
+from optimized.backends import backend_status, detect
 from parity_tests.cases import generator
 from parity_tests.metrics import calc_diff, max_abs_error, max_rel_error
 from parity_tests.ops.moe import route_agreement
@@ -36,7 +37,13 @@ from reference.numerics import EXACT, MEGAMOE, OFFICIAL, Numerics
 # the module (`optimized.moe`, the attribute, is the function `moe` that the package re-exports)
 omoe = importlib.import_module("optimized.moe")
 triton_ok, triton_why = backend_status("triton")
-needs_triton = pytest.mark.skipif(not triton_ok, reason=f"triton backend unavailable: {triton_why}")
+# The unit tests build CPU tensors, which reach the Triton kernels in the interpreter only; on a GPU the tests at
+# the end run the GPU tiles, and `test_moe.py` the FLASH / PRO cases.
+needs_triton = pytest.mark.skipif(
+    not triton_ok or not detect().interpret,
+    reason=f"triton backend unavailable: {triton_why}" if not triton_ok else
+    "a CPU-tensor unit test of the Triton kernels: runs under TRITON_INTERPRET=1 (the GPU tests below run on a GPU)")
+any_triton = pytest.mark.skipif(not triton_ok, reason=f"triton backend unavailable: {triton_why}")
 
 SMALL = TINY.replace(n_routed_experts=8, n_activated_experts=4)
 HASH_LAYER, TOPK_LAYER = 0, SMALL.n_hash_layers
@@ -105,7 +112,7 @@ def test_router_logits_split_over_the_hidden_dim_sum_to_the_fp32_logits() -> Non
                     "ids from split logits")
 
 
-@needs_triton
+@any_triton
 def test_router_logits_of_a_token_do_not_depend_on_the_batch_tiles() -> None:
     """Decode batches (<= DECODE_TOKENS) use 16 experts per program, prefill 128: the same logits, bit for bit."""
     from optimized.triton.moe_routing import DECODE_TOKENS, router_logits

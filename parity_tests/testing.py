@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from parity_tests.cases import Case, NotRun
+from optimized.backends import detect
+from parity_tests.cases import FP8_FORMATS, TINY_DEVICE, Case, NotRun
+
+# The tensors of the kernel unit tests: the CPU under TRITON_INTERPRET=1, else the GPU the Triton kernels run on.
+KERNEL_DEVICE = "cpu" if detect().interpret else TINY_DEVICE
+# The FP8 formats Triton has there: e4m3fnuz (gfx942's) only in the interpreter and on ROCm.
+KERNEL_FP8_FORMATS = [f for f in FP8_FORMATS if f == "e4m3fn" or KERNEL_DEVICE == "cpu" or torch.version.hip]
 
 
 def assert_case_passes(case: Case, backend: str) -> None:
