@@ -20,6 +20,7 @@ from benchmarks.suite import (
     BACKEND,
     BACKEND_NAMES,
     BASELINE,
+    REF_MIN_RUNS,
     REF_SLOW_S,
     Candidate,
     Env,
@@ -128,10 +129,12 @@ class ScriptedTimer(Timer):
         super().__init__("cpu")
         self.seconds = seconds
         self.calls: list[str] = []
+        self.min_runs: dict[str, int] = {}
 
-    def time(self, fn, *, max_runs=None, slow_s=None, graph=False) -> Timing:
+    def time(self, fn, *, max_runs=None, slow_s=None, graph=False, min_runs=1) -> Timing:
         name = fn()
         self.calls.append(name)
+        self.min_runs[name] = min_runs
         t = self.seconds[name]
         return Timing(t, 1, t, t, t, cold=slow_s is not None and t > slow_s)
 
@@ -194,6 +197,8 @@ def test_runner_reports_na_and_errors_and_computes_speedups() -> None:
     # 2 TFLOP at 2 PFLOP/s = 1 ms vs 4 GB at 4 TB/s = 1 ms: the floor is 1 ms, triton takes 10 ms.
     assert by["triton"].roofline == pytest.approx(0.1)
     assert by["triton"].tflops == pytest.approx(200.0)
+    # the reference, a speed-up's baseline, is a median of several runs; kernels take what the budget allows
+    assert timer.min_runs["reference"] == REF_MIN_RUNS > 1 and timer.min_runs["triton"] == 1
 
 
 def test_warm_up_runner_calls_each_kernel_candidate_once_and_skips_reference_and_baselines() -> None:
@@ -260,6 +265,11 @@ def test_timer_calls_warm_up_then_timed_runs() -> None:
     calls = []
     timing = Timer("cpu", max_runs=3, budget_s=10.0).time(lambda: calls.append(1))
     assert timing.runs == 3 and len(calls) == 4 and not timing.cold
+    calls.clear()
+    # a zero budget allows one run; min_runs asks for more, max_runs caps them
+    assert Timer("cpu", budget_s=0.0).time(lambda: calls.append(1), min_runs=3).runs == 3
+    assert Timer("cpu", max_runs=2, budget_s=0.0).time(lambda: calls.append(1), min_runs=3).runs == 2
+    assert Timer("cpu", budget_s=0.0).time(lambda: calls.append(1)).runs == 1
     calls.clear()
     timing = Timer("cpu").time(lambda: calls.append(1), slow_s=-1.0)  # every call is "slow": the warm-up is the figure
     assert timing.cold and timing.runs == 1 and len(calls) == 1

@@ -80,10 +80,11 @@ class Timer:
             self._flush.zero_()
 
     def time(self, fn: Callable[[], object], *, max_runs: int | None = None, slow_s: float | None = None,
-             graph: bool = False) -> Timing:
+             graph: bool = False, min_runs: int = 1) -> Timing:
         """Call `fn` once to warm up, then time it `n` times and return the median.
 
-        `n` = `max_runs`, or fewer so that the timed runs take about `budget_s` (at least one run).
+        `n` = `max_runs`, or fewer so that the timed runs take about `budget_s`, but at least `min_runs` (capped
+        by `max_runs`).
         When the warm-up call alone takes longer than `slow_s` (the eager reference at large shapes), that
         call is the figure (`cold=True`): an upper bound, since it includes first-call overheads.
         With `graph` (CUDA only), the call is also captured in a CUDA graph and the replays are the figure;
@@ -96,7 +97,7 @@ class Timer:
         if slow_s is not None and first > slow_s:
             return Timing(first, 1, first, first, first, cold=True)
         estimate = self._timed_runs(fn, 1)[0]
-        n = max(1, min(max_runs, math.floor(self.budget_s / max(estimate, 1e-9))))
+        n = min(max_runs, max(min_runs, 1, math.floor(self.budget_s / max(estimate, 1e-9))))
         samples = [estimate, *self._timed_runs(fn, n - 1)] if n > 1 else [estimate]
         eager = Timing(statistics.median(samples), len(samples), first, min(samples), max(samples))
         if not (graph and self.device == "cuda"):
