@@ -29,9 +29,9 @@ register("fp8_linear", "deepgemm", "optimized.deepgemm.linear:fp8_linear",
 def implementation(op: str, backend: str | None, inputs: tuple[str, object] | None = None) -> Implementation:
     """`backends.select` for a call whose tensors are `inputs` = (argument name, value; its device counts when it
     is a tensor), with an unavailable backend reported as a ValueError naming `backend`."""
-    name, value = inputs if inputs is not None else ("", None)
+    on = (inputs[0], inputs[1].device) if inputs is not None and isinstance(inputs[1], torch.Tensor) else None
     try:
-        return select(op, backend, (name, value.device) if isinstance(value, torch.Tensor) else None)
+        return select(op, backend, on)
     except RuntimeError as exc:
         raise ValueError(f"backend: {exc}") from exc
 

@@ -109,15 +109,16 @@ def all_cases(config: str, device: str, ops: list[str] | None = None) -> list[Ca
 
 def require(device: str, fmt: str, backend: str) -> None:
     """Raise `NotRun` when this machine or `backend` cannot run a case on `device` in FP8 format `fmt`."""
-    from optimized.backends import backend_status, detect
+    from optimized.backends import backend_status, device_status
 
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise NotRun("needs a GPU")
-    if torch.device(device).type == "cpu" and backend != "reference" and not detect().interpret:
-        raise NotRun(f"a CPU case: {backend} runs on the GPU here (CPU tensors reach Triton under TRITON_INTERPRET=1)")
     ok, why = backend_status(backend)
     if not ok:
         raise NotRun(why)
+    ok, why = device_status(backend, torch.device(device))
+    if not ok:
+        raise NotRun(f"a {device} case: {why}")
     if backend == "deepgemm" and fmt != "e4m3fn":
         raise NotRun("DeepGEMM supports e4m3fn only")
     if (backend == "triton" and fmt == "e4m3fnuz" and torch.device(device).type == "cuda"
