@@ -35,6 +35,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch
 
+from benchmarks.timing import L2_FLUSHES
+
 DEFAULT_CONFIGS = ("FLASH", "PRO")
 # Wall-clock budget of a GPU run: the whole suite must finish inside one 10-minute command, report included; the
 # point running when it is spent still completes (the slowest, the eager reference layer at 8192 tokens, takes
@@ -54,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", default="", help="comma-separated token counts (default: 1,8,64,128,512,4096,8192)")
     p.add_argument("--out", default="out/bench", type=Path, help="directory for BENCHMARKS.md, bench.json, PNGs")
     p.add_argument("--cpu-smoke", action="store_true", help="TINY shapes on the CPU: proves the code, measures nothing")
+    p.add_argument("--l2-flush", choices=L2_FLUSHES, default="read",
+                   help="how the L2 is flushed before each timed run: read a 256 MB buffer (default) or write it, "
+                        "as Triton's do_bench does (charges memory-bound calls for the write-back)")
     p.add_argument("--runs", type=int, default=20, help="most timed runs per candidate (default 20)")
     p.add_argument("--budget-s", type=float, default=GPU_BUDGET_S,
                    help=f"wall-clock budget; points left after it are reported skipped (default {GPU_BUDGET_S:g})")
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [(f.name, cfg.name, _family_ops(f, ops)) for cfg in configs for f in fams if _family_ops(f, ops)]
         warm_up(jobs, workers=workers, tokens=args.tokens, cpu_smoke=smoke, timeout_s=WARMUP_SHARE * args.budget_s)
 
-    timer = Timer(device, max_runs=args.runs, single_call=smoke)
+    timer = Timer(device, max_runs=args.runs, l2_flush=args.l2_flush, single_call=smoke)
     roofline = measure(timer, smoke=smoke)
     print(f"[bench] ceilings: bf16 {roofline.bf16_flops / 1e12:.1f} TFLOP/s, FP8 {roofline.fp8_flops / 1e12:.1f} "
           f"TFLOP/s{' (' + roofline.fp8_note + ')' if roofline.fp8_note else ''}, copy "
@@ -144,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     results = runner.run(fams, envs, ops, tokens)
     verdicts = evaluate(results, roofline)
     command = "dsv4-bench" + ("" if not argv else " " + " ".join(argv))
-    paths = report_mod.write(args.out, env=report_mod.environment(command), roofline=roofline, families=fams,
+    env = {**report_mod.environment(command), "l2_flush": args.l2_flush}
+    paths = report_mod.write(args.out, env=env, roofline=roofline, families=fams,
                              results=results, verdicts=verdicts, family_seconds=runner.family_seconds, smoke=smoke)
 
     for v in verdicts:

@@ -81,6 +81,11 @@ def write(out: Path, *, env: dict[str, Any], roofline: Roofline, families: Seque
 # ------------------------------------------------------------------------------------------------
 
 
+# How each `--l2-flush` reads in the report (bench.json files from before the option have no "l2_flush": a write).
+_FLUSH_WORDS = {"read": "read (no dirty lines left for the timed call to write back)",
+                "write": "write (as Triton's do_bench; the timed call pays the write-back of its dirty lines)"}
+
+
 def markdown(*, env: dict[str, Any], roofline: Roofline, families: Sequence[Family], results: list[Result],
              verdicts: list[Verdict], plots: dict[str, str], plot_note: str, smoke: bool) -> str:
     lines = ["# DSv4 kernel benchmarks", ""]
@@ -98,7 +103,8 @@ def markdown(*, env: dict[str, Any], roofline: Roofline, families: Sequence[Fami
                   f"**{roofline.copy_bytes / 1e12:.2f} TB/s**.", ""]
     lines += [
         "How to read the tables: *time* is the median of up to 20 warm runs (or ~50 ms of runs), each timed with CUDA "
-        "events after a 256 MB write that flushes the L2; the first call (JIT compilation) is not in it. Calls that "
+        f"events after a 256 MB {_FLUSH_WORDS[env.get('l2_flush', 'write')]} that flushes the L2; the first call "
+        "(JIT compilation) is not in it. Calls that "
         "can be captured in a CUDA graph are timed as graph replays (what decode under CUDA graphs pays, without "
         "Python and launch overhead; the eager time with host overhead is in bench.json as `eager_time_s`); "
         "a time marked *e* is eager (the call cannot be captured: the reference, host-synchronizing paths). *TFLOP/s* "

@@ -107,6 +107,11 @@ def test_cli_rejects_unknown_ops_with_exit_code_2() -> None:
     assert main(["--cpu-smoke", "--ops", "no_such_op"]) == 2
 
 
+def test_timer_rejects_an_unknown_l2_flush() -> None:
+    with pytest.raises(ValueError, match="l2_flush: expected one of"):
+        Timer("cpu", l2_flush="evict")
+
+
 def test_cli_warm_up_processes_run_before_the_timed_phase(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from benchmarks.__main__ import main
 
@@ -345,6 +350,10 @@ def test_markdown_shows_figures_bold_fastest_and_lists_na_reasons() -> None:
     assert "- n/a: torch _scaled_mm — unsupported here (FLASH T=4096)" in md
     assert "- skipped: reference — reference took 9 s (FLASH T=4096)" in md
     assert "2000 TFLOP/s" in md  # the measured FP8 ceiling is printed
+    assert "after a 256 MB write (as Triton's do_bench" in md  # a bench.json from before --l2-flush: a write
+    md = report.markdown(env={**env, "l2_flush": "read"}, roofline=ROOF, families=[fam], results=rows,
+                         verdicts=evaluate(rows, ROOF, ()), plots={}, plot_note="", smoke=False)
+    assert "after a 256 MB read (no dirty lines" in md
 
 
 @pytest.mark.parametrize(("module", "args"), [("sweep_einsum", []), ("sweep_attention", []), ("sweep_moe", []),

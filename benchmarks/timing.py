@@ -1,9 +1,16 @@
 """Timing of one callable: median of warm runs with the L2 cache flushed before each (Triton `do_bench` style).
 
-On a GPU every run is bracketed by CUDA events recorded on the current stream, right after a write of a
+On a GPU every run is bracketed by CUDA events recorded on the current stream, right after a pass over a
 256 MB buffer that evicts whatever the previous run left in L2 (the H200 has 50 MB of L2, so nothing
 survives); the flush itself lies outside the events. The first call is timed separately by the wall
 clock (it includes Triton / DeepGEMM JIT compilation and is reported as such, never as the figure).
+
+The flush reads that buffer (`l2_flush="read"`, the default) rather than writing it (`"write"`, what Triton's
+`do_bench` does). Both leave none of the operands in L2, but a write leaves the L2 full of dirty lines of the
+flush buffer (up to ~50 MB), which the timed call must write back to HBM as its own reads evict them: a
+memory-bound call is charged for the harness's write-back, up to ~12 us at 4.2 TB/s. After a read the L2 holds
+clean lines only, as in a serving step, whose preceding kernels mostly read (weights, the KV cache) and write
+little. Design note 14 has the H200 measurement of the difference.
 
 Where a call can be captured in a CUDA graph (no host synchronization, no CPU-side work that must
 rerun), the figure is the median of graph replays, bracketed the same way: that is what a serving engine
@@ -26,8 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-# Bytes written between runs to flush the L2: 5x the H200's 50 MB L2 (Triton's do_bench uses 256 MB too).
+# Bytes passed over between runs to flush the L2: 5x the H200's 50 MB L2 (Triton's do_bench uses 256 MB too).
 L2_FLUSH_BYTES = 256 * 2**20
+# How the flush passes over its buffer (see the module docstring).
+L2_FLUSHES = ("read", "write")
 # Defaults: at most this many timed runs per point, or fewer when they would take longer than the budget (the
 # whole suite, ~1200 candidates at FLASH and PRO, has to fit one 10-minute command: 20 runs of anything up to
 # 2.5 ms, at least 1 of anything slower).
@@ -63,20 +72,28 @@ class Timer:
     """Times callables on one device (`"cuda"` or `"cpu"`)."""
 
     def __init__(self, device: str, *, max_runs: int = MAX_RUNS, budget_s: float = RUN_BUDGET_S,
-                 flush_bytes: int = L2_FLUSH_BYTES, single_call: bool = False) -> None:
+                 flush_bytes: int = L2_FLUSH_BYTES, l2_flush: str = "read", single_call: bool = False) -> None:
         if device not in ("cuda", "cpu"):
             raise ValueError(f"device: expected 'cuda' or 'cpu', got {device!r}")
+        if l2_flush not in L2_FLUSHES:
+            raise ValueError(f"l2_flush: expected one of {L2_FLUSHES}, got {l2_flush!r}")
         if max_runs < 1:
             raise ValueError(f"max_runs: expected >= 1, got {max_runs}")
         self.device = device
         self.max_runs = max_runs
         self.budget_s = budget_s
         self.single_call = single_call
-        self._flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device="cuda") if device == "cuda" else None
+        self.l2_flush = l2_flush
+        self._flush = torch.zeros(flush_bytes // 4, dtype=torch.int32, device="cuda") if device == "cuda" else None
+        self._flush_sum = torch.zeros((), dtype=torch.int64, device="cuda") if device == "cuda" else None
 
     def flush_l2(self) -> None:
-        """Overwrite the flush buffer so the next run starts with a cold L2 (no-op on the CPU)."""
-        if self._flush is not None:
+        """Read (or overwrite) the flush buffer so the next run starts with a cold L2 (no-op on the CPU)."""
+        if self._flush is None:
+            return
+        if self.l2_flush == "read":
+            torch.sum(self._flush, dim=0, dtype=torch.int64, out=self._flush_sum)
+        else:
             self._flush.zero_()
 
     def time(self, fn: Callable[[], object], *, max_runs: int | None = None, slow_s: float | None = None,

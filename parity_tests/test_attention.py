@@ -148,8 +148,10 @@ def test_tokens_without_any_slot_give_zero_and_no_nan(splits: int) -> None:
     assert bool(out.isfinite().all()) and bool((out[1] == 0).all())
     from optimized.triton import sparse_attention as tsa
 
-    none = tsa.sparse_attention(q, kv, indices[:, :0].contiguous(), sink, 512**-0.5, splits=splits)
+    no_slot_column = indices[:, :0].contiguous()  # K = 0
+    none = tsa.sparse_attention(q, kv, no_slot_column, sink, 512**-0.5, splits=splits)
     assert bool((none == 0).all())
+    assert torch.equal(ref.sparse_attention(q, kv, no_slot_column, sink, 512**-0.5), none)
 
 
 @needs_triton
@@ -167,10 +169,11 @@ SM90 = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.ge
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (the Gluon kernel of sparse_attention_sm90)")
-@pytest.mark.parametrize(("heads", "slots"), [(64, 100), (128, 640), (64, 1)])
+@pytest.mark.parametrize(("heads", "slots"), [(64, 100), (128, 640), (64, 1), (64, 0)])
 def test_sm90_kernel_matches_the_portable_kernel_and_the_reference(heads: int, slots: int) -> None:
     """The Gluon kernel on the cases the portable kernel's tests cover: -1 slots, a token without any slot (0), a
-    NaN query (its head only), K not a multiple of 64, one and two 64-head blocks, no valid slot at all."""
+    NaN query (its head only), K not a multiple of 64, one and two 64-head blocks, no valid slot at all, no slot
+    column at all (K = 0: every output 0)."""
     from optimized.triton import sparse_attention as tsa
     from optimized.triton import sparse_attention_sm90 as sm90
 
@@ -181,7 +184,7 @@ def test_sm90_kernel_matches_the_portable_kernel_and_the_reference(heads: int, s
     out = sm90.sparse_attention_sm90(q, kv, indices, sink, 512**-0.5, torch.empty_like(q))
     portable = tsa.sparse_attention(q, kv, indices, sink, 512**-0.5, config=tsa.WIDE["nvidia"][False])
     assert torch.equal(out.isnan(), expected.isnan())
-    assert bool((out[2] == 0).all())
+    assert bool((out[2] == 0).all()) and (slots > 0 or bool((out == 0).all()))
     finite = expected.isfinite()
     assert calc_diff(out[finite].float(), expected[finite].float()) <= SPARSE_ATTENTION_SIMULATED.value
     assert calc_diff(out[finite].float(), portable[finite].float()) <= SPARSE_ATTENTION_SIMULATED.value

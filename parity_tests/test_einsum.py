@@ -206,13 +206,16 @@ def test_reference_output_projection_of_a_token_does_not_depend_on_the_batch(num
 
 def _awkward_rows(m: int, k: int, seed: int) -> torch.Tensor:
     """Rows spanning 1e-7 .. 1e4 in magnitude, with an all-zero row, a row of -0.0, a row under the eps floor,
-    a NaN (its block keeps the NaN, scale 2^127) and an Inf (saturates)."""
+    a NaN (its block keeps the NaN, scale 2^127), an Inf (saturates) and a row of exact ties between FP8 values
+    (amax 448: scale 1; normal ties 1 + 1/16 -> 1 and 1 + 3/16 -> 1.25, subnormal ties 2^-10 -> 0 and
+    3 * 2^-10 -> 2^-8, a negative tie to zero -> -0: round-to-nearest-even, whichever path rounds)."""
     x = torch.randn(m, k, generator=generator(seed)) * torch.logspace(-7, 4, m)[:, None]
     x[1] = 0.0
     x[2] = -0.0
     x[3] = 1e-6
     x[4, 5] = float("nan")
     x[5, 40] = -float("inf")
+    x[6, :8] = torch.tensor([448.0, 1.0625, 1.1875, -1.0625, -1.1875, 2.0**-10, 3 * 2.0**-10, -(2.0**-10)])
     return x.to(KERNEL_DEVICE, torch.bfloat16)
 
 

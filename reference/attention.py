@@ -355,6 +355,8 @@ def sparse_attention(
         [T, H, 512] bf16.
     """
     _check_sparse_attention_args(q, kv, indices, sink, scale)
+    if indices.shape[1] == 0:  # K = 0: no token has a slot
+        return torch.zeros_like(q)
     # an empty slot reads an all-zero row appended to kv, so nothing (not even a NaN) leaks into it
     kv_or_zero = torch.cat((kv, kv.new_zeros(1, kv.shape[1])))
     out = torch.empty_like(q)

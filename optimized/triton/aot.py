@@ -127,6 +127,8 @@ def compile_one(spec: AotSpec, target: tuple[str, str, Any, int, str]) -> dict[s
     constexprs = dict(spec.constexprs)
     if spec.fp8:
         constexprs.update(fp8_constants(fmt))
+    if "NATIVE_CAST" in spec.kernel.arg_names:  # the device's own FP8 cast where it rounds like the reference
+        constexprs["NATIVE_CAST"] = backend == "cuda" and fmt == "e4m3fn"
     for key in constexprs:
         signature[key] = "constexpr"
     row: dict[str, Any] = {"kernel": spec.name, "target": name, "fmt": fmt}

@@ -2,10 +2,11 @@
 
 Two kernels, one per-block recipe (spec §2.1-§2.3): amax of the block -> power-of-two scale computed on
 the bits (`_fp8.ue8m0_scale`) -> `x * (1 / s)` (exact: `1 / s` is a power of two built from the scale's
-exponent) -> exact RNE onto the E4M3 grid (`_fp8.round_to_fp8_grid`) -> store. The bytes equal the
-reference's (`reference.formats.quantize_per_token`, `reference.einsum.quantize_attn_output`) in both
-FP8 formats, on the GPU and in the CPU interpreter — NaN and Inf included (a block holding a NaN gets the
-reference's scale 2^127 and keeps its NaN; an Inf saturates to the format's max).
+exponent) -> exact RNE onto the E4M3 grid (`_fp8.cast_to_fp8`: the device's own cast where it rounds so)
+-> store. The bytes equal the reference's (`reference.formats.quantize_per_token`,
+`reference.einsum.quantize_attn_output`) in both FP8 formats, on the GPU and in the CPU interpreter — NaN and
+Inf included (a block holding a NaN gets the reference's scale 2^127 and keeps its NaN; an Inf saturates to
+the format's max).
 
 Scale layouts (`scale_layout`):
   * `"row_major"`: `s [M, K/B]` contiguous (`[T, G, K/B]` for the attention output).
@@ -30,10 +31,11 @@ import triton
 import triton.language as tl
 
 from optimized.triton._fp8 import (
+    cast_to_fp8,
     fp8_constants,
+    native_fp8_cast,
     pow2_reciprocal,
     prepare_interpreter,
-    round_to_fp8_grid,
     ue8m0_scale,
 )
 from optimized.triton.aot import AotSpec
@@ -57,7 +59,7 @@ def _block_scale(x, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
 
 @triton.jit
 def _quantize_rows(x, scale, out_dtype: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
-                   HAS_NEG_ZERO: tl.constexpr):
+                   HAS_NEG_ZERO: tl.constexpr, NATIVE_CAST: tl.constexpr):
     """`x / scale` (one scale per row) rounded onto the FP8 grid and cast to `out_dtype`; NaN stays NaN.
 
     `1 / scale` is built from the scale's exponent bits (`pow2_reciprocal`: exact). The
@@ -65,7 +67,7 @@ def _quantize_rows(x, scale, out_dtype: tl.constexpr, FP8_MAX: tl.constexpr, MIN
     byte (0x7F e4m3fn, 0x80 e4m3fnuz) by bitcast, which every backend and the interpreter store as is.
     """
     xs = x * pow2_reciprocal(scale)[:, None]
-    q = round_to_fp8_grid(xs, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO).to(out_dtype)
+    q = cast_to_fp8(xs, out_dtype, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO, NATIVE_CAST)
     nan = tl.full(xs.shape, 0x7F if HAS_NEG_ZERO else 0x80, tl.uint8).to(out_dtype, bitcast=True)
     return tl.where(xs != xs, nan, q)
 
@@ -75,7 +77,7 @@ def _quant_per_token_kernel(
     x_ptr, q_ptr, s_ptr,
     M, M_PAD, stride_xm, stride_qm, stride_sm, stride_sk,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, NATIVE_CAST: tl.constexpr,
 ):
     """One program = BLOCK_M rows x one block of BLOCK channels: load, amax, scale, round, store."""
     pid_m = tl.program_id(0)
@@ -86,7 +88,7 @@ def _quant_per_token_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=valid[:, None], other=0.0)
     x = x.to(tl.float32)
     scale = _block_scale(x, FP8_MAX, EPS)
-    q = _quantize_rows(x, scale, q_ptr.dtype.element_ty, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
+    q = _quantize_rows(x, scale, q_ptr.dtype.element_ty, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO, NATIVE_CAST)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=valid[:, None])
     # padding rows (M <= row < M_PAD) of the DeepGEMM layout get scale 0
     tl.store(s_ptr + rows * stride_sm + kb * stride_sk, tl.where(valid, scale, 0.0), mask=rows < M_PAD)
@@ -98,7 +100,7 @@ def _inv_rope_quant_kernel(
     T, ROWS_TOTAL, GROUPS, stride_ot, stride_oh, stride_qt, stride_qg, stride_st, stride_sg, stride_sk,
     HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     NUM_BLOCKS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, EPS: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, NATIVE_CAST: tl.constexpr,
 ):
     """One program = ROWS consecutive scale blocks of the flattened (token, group, block) space, as a
     [ROWS, BLOCK] tile: load, inverse RoPE, amax, scale, round, store.
@@ -138,7 +140,7 @@ def _inv_rope_quant_kernel(
 
     # per-row (= per-block) amax -> power-of-two scale -> exact FP8 rounding
     scale = _block_scale(x, FP8_MAX, EPS)
-    q = _quantize_rows(x, scale, q_ptr.dtype.element_ty, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
+    q = _quantize_rows(x, scale, q_ptr.dtype.element_ty, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO, NATIVE_CAST)
     dst = q_ptr + (t * stride_qt + g * stride_qg + kb * BLOCK)[:, None] + c[None, :]
     tl.store(dst, q, mask=valid[:, None])
     tl.store(s_ptr + t * stride_st + g * stride_sg + kb * stride_sk, tl.where(valid, scale, 0.0), mask=in_space)
@@ -265,7 +267,7 @@ def quantize_per_token_checked(
     grid = (cdiv(m_pad, block_m), nb)
     _quant_per_token_kernel[grid](
         x, q, s, m, m_pad, x.stride(0), k, stride_sm, stride_sk,
-        BLOCK=block, BLOCK_M=block_m, EPS=eps, **fp8_constants(f),
+        BLOCK=block, BLOCK_M=block_m, EPS=eps, **fp8_constants(f), NATIVE_CAST=native_fp8_cast(f, x.device),
         num_warps=4, enable_fp_fusion=False,
     )
     return q, s
@@ -366,7 +368,8 @@ def quantize_attn_output_checked(
         stride_st, stride_sg, stride_sk,
         HEADS_PER_GROUP=heads_per_group, HEAD_DIM=head_dim, ROPE_DIM=2 * half,
         NUM_BLOCKS=nb, BLOCK=SCALE_BLOCK, ROWS=config.rows, EPS=ATTN_OUT_EPS,
-        **fp8_constants(f), num_warps=config.num_warps, enable_fp_fusion=False,
+        **fp8_constants(f), NATIVE_CAST=native_fp8_cast(f, o.device), num_warps=config.num_warps,
+        enable_fp_fusion=False,
     )
     return o_fp8, o_scale
 
