@@ -28,4 +28,4 @@ lint:
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf .venv .venv-triton-latest .pytest_cache build *.egg-info
+	rm -rf .venv .venv-triton-latest .venv-torch-min .pytest_cache build *.egg-info

@@ -34,24 +34,34 @@ NAMESPACE = "dsv4"
 _REGISTERED: dict[str, Any] = {}
 
 
-@torch.compiler.assume_constant_result  # evaluated once while tracing; the string is a graph constant
 def numerics_to_str(numerics: Numerics) -> str:
     """A `Numerics` as the JSON string the custom ops take."""
     if not isinstance(numerics, Numerics):
         raise TypeError(f"numerics: expected a Numerics, got {type(numerics).__name__}")
-    return json.dumps(dataclasses.asdict(numerics), sort_keys=True)
+    return _json_of_fields(_NUMERICS_FIELDS, tuple(getattr(numerics, name) for name in _NUMERICS_FIELDS))
 
 
 def numerics_from_str(text: str) -> Numerics:
     return Numerics(**json.loads(text))
 
 
-@torch.compiler.assume_constant_result
 def config_to_str(cfg: DSv4Config) -> str:
     """A `DSv4Config` as the JSON string the custom ops take."""
     if not isinstance(cfg, DSv4Config):
         raise TypeError(f"cfg: expected a DSv4Config, got {type(cfg).__name__}")
-    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    return _json_of_fields(_CONFIG_FIELDS, tuple(getattr(cfg, name) for name in _CONFIG_FIELDS))
+
+
+# Under torch.compile the dataclass's fields are read as constants and only those (str, int, float, bool, tuple)
+# reach the JSON encoder, which runs once while tracing: torch 2.11's dynamo cannot pass a frozen dataclass
+# instance to a constant-result function ("can't reconstruct arbitrary frozen dataclass instances"; 2.13 can).
+_NUMERICS_FIELDS = tuple(f.name for f in dataclasses.fields(Numerics))
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(DSv4Config))
+
+
+@torch.compiler.assume_constant_result  # evaluated once while tracing; the string is a graph constant
+def _json_of_fields(names: tuple[str, ...], values: tuple[Any, ...]) -> str:
+    return json.dumps(dict(zip(names, values)), sort_keys=True)
 
 
 def config_from_str(text: str) -> DSv4Config:

@@ -18,9 +18,19 @@ from parity_tests.probes import Probe
 GOLDEN = golden.golden_probes()
 
 
+def _checks_on_the_recording_platform(probe: Probe) -> list[golden.Check]:
+    """`golden.check(probe)`, or a skip with its reason where the golden results were recorded on another platform
+    (another torch rounds fp32 differently: `golden.check` raises NotRun there, and the CPU CI, the recording
+    platform, runs these tests)."""
+    try:
+        return golden.check(probe)
+    except NotRun as exc:
+        pytest.skip(f"not run: {exc}")
+
+
 @pytest.mark.parametrize("probe", GOLDEN, ids=[p.id for p in GOLDEN])
 def test_reference_matches_its_golden_results(probe: Probe) -> None:
-    checks = golden.check(probe)
+    checks = _checks_on_the_recording_platform(probe)
     assert {c.name for c in checks} == {"golden_structure", "golden_stats", "golden_values", "golden_moved"}
     failed = [f"{c.name}: {c.value:.3g} > {c.bound.value:.3g} ({c.detail})" for c in checks if not c.passed]
     assert not failed, failed
@@ -185,5 +195,5 @@ def test_a_broken_reference_formula_fails_its_golden_results(name: str, monkeypa
     module_name, attr, breaker, op = BREAKS[name]
     module = importlib.import_module(module_name)
     monkeypatch.setattr(module, attr, breaker(getattr(module, attr)))
-    verdicts = [all(c.passed for c in golden.check(p)) for p in golden.golden_probes([op])]
+    verdicts = [all(c.passed for c in _checks_on_the_recording_platform(p)) for p in golden.golden_probes([op])]
     assert verdicts and not any(verdicts), f"{name}: golden results of {op} still pass"
