@@ -13,12 +13,11 @@ simulations) keep `round_to_fp8_grid`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from optimized.backends import detect
 from reference.formats import FP8Format, fp8_format
 
 
@@ -89,12 +88,11 @@ def cast_to_fp8(x, out_dtype: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NORMAL_EX
 
 
 def native_fp8_cast(fmt: str | FP8Format, device: torch.device) -> bool:
-    """Whether `cast_to_fp8` may cast directly: e4m3fn on an NVIDIA GPU of sm_89 or later, not interpreted."""
-    if fp8_format(fmt).name != "e4m3fn" or device.type != "cuda" or torch.version.hip is not None:
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether `cast_to_fp8` may cast directly: e4m3fn on an NVIDIA GPU of sm_89 or later, not interpreted
+    (from the cached `optimized.backends.detect()`: one dict lookup per launch)."""
+    hw = detect()
+    return (fp8_format(fmt).name == "e4m3fn" and device.type == "cuda" and hw.device == "cuda" and not hw.interpret
+            and int(hw.arch.removeprefix("sm")) >= 89)
 
 
 def fp8_constants(fmt: str | FP8Format) -> dict[str, float | int]:
