@@ -15,7 +15,7 @@ import torch
 from einops import rearrange
 
 import optimized
-from optimized.backends import backend_status, registry
+from optimized.backends import backend_status, detect, registry
 from optimized.deepgemm import einsum as dg_einsum
 from optimized.deepgemm import linear as dg_linear
 from parity_tests.cases import FP8_FORMATS, TINY_DEVICE, Case, all_cases, generator
@@ -285,15 +285,55 @@ def _einsum_inputs(b: int, fmt: str, recipe: tuple[int, int, int] = (1, 128, 128
 
 @needs_triton
 @pytest.mark.parametrize("recipe", ref.RECIPES, ids=str)
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer_loads", "tma_loads"])
 @pytest.mark.parametrize("split_k", [1, 4], ids=["full_k", "split_k"])
-def test_triton_einsum_variants_match_the_reference(split_k: int, recipe: tuple[int, int, int]) -> None:
+def test_triton_einsum_variants_match_the_reference(split_k: int, tma: bool, recipe: tuple[int, int, int]) -> None:
     from optimized.triton.einsum import EinsumConfig
     from optimized.triton.einsum import fp8_einsum as triton_einsum
 
     a, b = _einsum_inputs(5, "e4m3fn", recipe)
-    config = EinsumConfig(block_m=16, block_n=64, split_k=split_k, num_warps=4, num_stages=2)
+    config = EinsumConfig(block_m=16, block_n=64, split_k=split_k, num_warps=4, num_stages=2, tma=tma)
     out = triton_einsum("bhr,hdr->bhd", a, b, recipe=recipe, config=config)
     assert calc_diff(out, ref.fp8_einsum("bhr,hdr->bhd", a, b, recipe=recipe)) <= FP8_GEMM_SIMULATED.value
+
+
+@needs_triton
+@pytest.mark.parametrize("t", [5, 70], ids=["rows_past_m", "two_m_tiles"])
+def test_triton_einsum_tma_loads_equal_pointer_loads_bit_for_bit(t: int) -> None:
+    """The TMA descriptors read the same tiles (zeros past M and N) into the same dots: the same bits. The N tail
+    (d = 96 against 64-wide tiles) and a transposed [G, T, r] A exercise the descriptors' bounds and strides."""
+    from optimized.triton.einsum import EinsumConfig, block_scaled_matmul, tma_loads
+
+    g = generator(31)
+    h, d, r = 2, 96, 256
+    a, sa = quantize_per_token(torch.randn(h, t, r, generator=g).to(KERNEL_DEVICE), 128, "e4m3fn")
+    a, sa = a.transpose(0, 1), sa.transpose(0, 1)  # [t, h, r] views of [h, t, r] storage
+    w, sw = quantize_per_block((torch.randn(h * 128, r, generator=g) * r**-0.5).to(KERNEL_DEVICE), 128, "e4m3fn")
+    w, sw = w.view(h, 128, r)[:, :d], sw.view(h, 1, r // 128)  # the first 96 rows of each group's 128
+    hw = detect()
+    assert tma_loads(a, w) == (hw.interpret or hw.arch in ("sm90", "sm100", "sm103"))
+    outs = []
+    for tma in (False, True):
+        out = torch.empty((t, h, d), dtype=torch.bfloat16, device=KERNEL_DEVICE)
+        config = EinsumConfig(block_m=64, block_n=64, split_k=1, num_warps=4, num_stages=2, tma=tma)
+        outs.append(block_scaled_matmul(a, sa, w, sw, out, a_block_k=128, b_gran_n=128, config=config))
+    assert torch.equal(*outs)
+
+
+@needs_triton
+def test_triton_einsum_falls_back_to_pointer_loads_for_operands_tma_cannot_address() -> None:
+    """TMA needs 16-byte aligned bases and strides: an A that starts 8 bytes into its buffer is read by pointers
+    (same result as an aligned copy of it), not refused."""
+    from optimized.triton.einsum import EinsumConfig, fp8_einsum, tma_loads
+
+    a, b = _einsum_inputs(5, "e4m3fn")
+    buffer = torch.empty(a[0].numel() + 8, dtype=a[0].dtype, device=KERNEL_DEVICE)
+    shifted = buffer[8:].view(a[0].shape)
+    shifted.copy_(a[0])
+    assert not tma_loads(shifted, b[0])
+    config = EinsumConfig(block_m=16, block_n=64, split_k=1, num_warps=4, num_stages=2, tma=True)
+    assert torch.equal(fp8_einsum("bhr,hdr->bhd", (shifted, a[1]), b, config=config),
+                       fp8_einsum("bhr,hdr->bhd", a, b, config=config))
 
 
 @needs_triton

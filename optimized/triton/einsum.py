@@ -11,6 +11,12 @@ Two variants, picked by `choose_config` from the token count b:
     the GPU's SMs. Each program then runs a slice of K and writes fp32 partial sums to a workspace
     [split, b, h, d]; a second kernel adds the slices in a fixed order. No atomics: results are
     bitwise reproducible run to run (they are not batch-invariant: tiles and splits depend on b).
+
+Operand loads: pointer loads everywhere, or (`EinsumConfig.tma`, NVIDIA sm_90+ and the interpreter) Hopper's
+TMA through Triton tensor descriptors over A [M, H, K] and B [H, N, K]: the copy engine fetches whole tiles
+into shared memory with no address arithmetic in registers, rows past M or N read as zeros. Same dots, same
+order, the same output bit for bit. On AMD Triton lowers descriptors to plain loads that spill at these tiles
+(the AOT check: gfx942 gate/up tiles 148 -> 390 VGPRs), so the AMD tables keep pointer loads.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from optimized.backends import detect
 from optimized.triton._fp8 import prepare_interpreter
 from optimized.triton.aot import ALL_TARGETS, PLATFORM_TARGETS, AotSpec, tile_platform
 from optimized.triton.quant import cdiv, check_fp8_support
@@ -53,6 +61,8 @@ class EinsumConfig:
         num_warps, num_stages: Triton launch options.
         block_k: K of one `tl.dot` (64 or 128, at most the activation scale block; the dots of one scale
             block add into one fp32 block accumulator before its promotion).
+        tma: load A and B tiles through TMA tensor descriptors where the device has TMA (NVIDIA sm_90+; the
+            interpreter runs them too) and the operands meet its 16-byte alignment; pointer loads otherwise.
     """
 
     block_m: int
@@ -61,6 +71,7 @@ class EinsumConfig:
     num_warps: int
     num_stages: int
     block_k: int = 128
+    tma: bool = False
 
 
 # The tile tables of `choose_config`, by platform (`tile_platform()`): (largest b, tiles) rows, first match wins.
@@ -70,15 +81,23 @@ class EinsumConfig:
 # 128 x 64 tiles with 4 stages took b = 4096 from 542 to 383 us with DeepGEMM's MN-major activation scales (the
 # sweep's input), and from 400 to 392 us in `python -m benchmarks` (row-major scales). Those 4 stages take 72 KB
 # of shared memory, over gfx942's 64 KB LDS: AMD keeps 128 x 128 with 3 stages (not measured: no ROCm GPU here).
+# NVIDIA from b = 65 on: TMA loads (H200, same-run A/B of 2026-12-04 against the pointer kernel at its tiles, outputs
+# bitwise equal; docs/h200/ab-tma-einsum.json): b = 128 23.4 -> 19.6 us with 64 x 64 tiles (256 programs); b = 4096
+# 386 -> 331 us and b = 8192 756 -> 650 us with 64 x 128 tiles and 4 stages. At b <= 64 (split-K) TMA was no faster
+# (b = 1: 16.1 us pointer, 16.9 TMA), so decode keeps pointer loads. Triton's automatic warp specialization
+# (`tl.range(warp_specialize=True)`) was slower or equal at every tile (docs/h200/ab-tma-ws.json).
 _DECODE_ROWS: tuple[tuple[int, EinsumConfig], ...] = (
     (16, EinsumConfig(16, 64, 1, 4, 4)),  # decode: smallest dot tile, weight streaming
     (32, EinsumConfig(32, 64, 1, 4, 4)),
     (64, EinsumConfig(64, 64, 1, 4, 3)),
-    (256, EinsumConfig(128, 64, 1, 8, 3)),  # one wave of h * d / 64 programs (128 on FLASH)
 )
 TILE_TABLE: dict[str, tuple[tuple[int, EinsumConfig], ...]] = {
-    "nvidia": (*_DECODE_ROWS, (1 << 62, EinsumConfig(128, 64, 1, 8, 4))),  # compute-bound: deeper pipeline
-    "amd": (*_DECODE_ROWS, (1 << 62, EinsumConfig(128, 128, 1, 8, 3))),  # compute-bound: large tiles, A reuse
+    "nvidia": (*_DECODE_ROWS,
+               (256, EinsumConfig(64, 64, 1, 4, 4, tma=True)),  # 2 * h * d / 64 programs (256 on FLASH)
+               (1 << 62, EinsumConfig(64, 128, 1, 4, 4, tma=True))),  # compute-bound: TMA-fed pipeline
+    "amd": (*_DECODE_ROWS,
+            (256, EinsumConfig(128, 64, 1, 8, 3)),  # one wave of h * d / 64 programs (128 on FLASH)
+            (1 << 62, EinsumConfig(128, 128, 1, 8, 3))),  # compute-bound: large tiles, A reuse
 }
 
 
@@ -126,7 +145,7 @@ def _fp8_einsum_kernel(
     stride_bh, stride_bn, stride_sbh, stride_sbn, stride_sbk,
     stride_cs, stride_cm, stride_ch, stride_cn,
     SCALE_K: tl.constexpr, GRAN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
 ):
     """C[split, m, h, n] = sum over this split's K blocks of sa * sb * dot(A[m, h, kb], B[h, n, kb]).
 
@@ -134,7 +153,9 @@ def _fp8_einsum_kernel(
     BLOCK_K (dividing it) the K of one dot; B's scales are per 128 K (`// 128`) and per GRAN_N rows (128
     or 1). When an N tile lies inside one GRAN_N block, B's scale is one scalar per K block and the
     promotion is a single multiply-add per element. C is bf16 / fp32 (the output, stride_cs = 0) or the
-    fp32 split-K workspace. M is not specialized (b = 1 and b = 8 share one compiled kernel).
+    fp32 split-K workspace. M is not specialized (b = 1 and b = 8 share one compiled kernel). With TMA, a_ptr
+    and b_ptr are tensor descriptors over A [M, H, K] (block [BLOCK_M, 1, BLOCK_K]) and B [H, N, K] (block
+    [1, BLOCK_N, BLOCK_K]), and their strides are unused.
     """
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -144,11 +165,12 @@ def _fp8_einsum_kernel(
     pid_n = pid % num_n
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    a_ptrs = a_ptr + h.to(tl.int64) * stride_ah + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + h.to(tl.int64) * stride_bh + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+    if not TMA:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + h.to(tl.int64) * stride_ah + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + h.to(tl.int64) * stride_bh + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
     sa_ptrs = sa_ptr + h * stride_sah + offs_m * stride_sam
     TILE_SHARES_SB: tl.constexpr = GRAN_N % BLOCK_N == 0
     if TILE_SHARES_SB:
@@ -163,8 +185,12 @@ def _fp8_einsum_kernel(
         # FP8 x FP8 -> fp32 over one scale block of K (one dot, or SCALE_K / BLOCK_K of them)
         block_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in tl.static_range(0, SCALE_K, BLOCK_K):
-            a = tl.load(a_ptrs + (k0 + kk), mask=m_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs + (k0 + kk), mask=n_ok[:, None], other=0.0)
+            if TMA:  # rows past M or N come back as zeros
+                a = a_ptr.load([pid_m * BLOCK_M, h, k0 + kk]).reshape(BLOCK_M, BLOCK_K)
+                b = b_ptr.load([h, pid_n * BLOCK_N, k0 + kk]).reshape(BLOCK_N, BLOCK_K)
+            else:
+                a = tl.load(a_ptrs + (k0 + kk), mask=m_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs + (k0 + kk), mask=n_ok[:, None], other=0.0)
             block_acc = tl.dot(a, tl.trans(b), block_acc)
         sa = tl.load(sa_ptrs + (kb_start + i) * stride_sak, mask=m_ok, other=0.0)
         # promotion into the fp32 main accumulator (power-of-two scales: the products are exact)
@@ -178,6 +204,16 @@ def _fp8_einsum_kernel(
     c_ptrs = (c_ptr + split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm
               + h.to(tl.int64) * stride_ch + offs_n[None, :] * stride_cn)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def tma_loads(*operands: torch.Tensor) -> bool:
+    """Whether the kernel can read `operands` through TMA descriptors: the interpreter or an NVIDIA GPU of sm_90+,
+    and every operand 16-byte aligned (base address and every stride but the last; TMA's rule)."""
+    hw = detect()
+    if not (hw.interpret or (hw.device == "cuda" and int(hw.arch.removeprefix("sm")) >= 90)):
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+               for t in operands)
 
 
 @triton.jit
@@ -243,14 +279,18 @@ def block_scaled_matmul(
         target = out
         c_strides = (0, *out.stride())
     grid = (cdiv(m, config.block_m) * cdiv(n, config.block_n), h, splits)
+    tma = config.tma and tma_loads(a, b)
+    a_arg, b_arg = ((TensorDescriptor(a, list(a.shape), list(a.stride()), [config.block_m, 1, block_k]),
+                     TensorDescriptor(b, list(b.shape), list(b.stride()), [1, config.block_n, block_k]))
+                    if tma else (a, b))
     _fp8_einsum_kernel[grid](
-        a, a_scale, b, b_scale, target,
+        a_arg, a_scale, b_arg, b_scale, target,
         m, n, scale_blocks_per_split,
         a.stride(0), a.stride(1), a_scale.stride(0), a_scale.stride(1), a_scale.stride(2),
         b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         *c_strides,
         SCALE_K=a_block_k, GRAN_N=b_gran_n,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, TMA=tma,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
@@ -327,29 +367,31 @@ def _einsum_spec(config: EinsumConfig, out: str, targets: tuple[str, ...] = ALL_
     ints = ("M", "N", "SCALE_BLOCKS_PER_SPLIT", "stride_am", "stride_ah", "stride_sam", "stride_sah", "stride_sak",
             "stride_bh", "stride_bn", "stride_sbh", "stride_sbn", "stride_sbk",
             "stride_cs", "stride_cm", "stride_ch", "stride_cn")
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    operands = ({"a_ptr": f"tensordesc<{{fp8}}[{bm}, 1, {bk}]>", "b_ptr": f"tensordesc<{{fp8}}[1, {bn}, {bk}]>"}
+                if config.tma else {"a_ptr": "*{fp8}", "b_ptr": "*{fp8}"})
     return AotSpec(
-        name=f"fp8_einsum[BM={config.block_m},BN={config.block_n},warps={config.num_warps},"
-             f"stages={config.num_stages},split={config.split_k > 1},out={out}]",
+        name=f"fp8_einsum[BM={bm},BN={bn},warps={config.num_warps},stages={config.num_stages},"
+             f"split={config.split_k > 1},tma={config.tma},out={out}]",
         kernel=_fp8_einsum_kernel,
-        signature={"a_ptr": "*{fp8}", "sa_ptr": "*fp32", "b_ptr": "*{fp8}", "sb_ptr": "*fp32", "c_ptr": f"*{out}",
-                   **dict.fromkeys(ints, "i32")},
-        constexprs={"SCALE_K": SCALE_BLOCK, "GRAN_N": 128,
-                    "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k},
+        signature={"a_ptr": operands["a_ptr"], "sa_ptr": "*fp32", "b_ptr": operands["b_ptr"], "sb_ptr": "*fp32",
+                   "c_ptr": f"*{out}", **dict.fromkeys(ints, "i32")},
+        constexprs={"SCALE_K": SCALE_BLOCK, "GRAN_N": 128, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                    "TMA": config.tma},
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        aligned=_ALIGNED_ARGS,
+        aligned=tuple(arg for arg in _ALIGNED_ARGS if not (config.tma and arg in ("a_ptr", "b_ptr"))),
         targets=targets,
     )
 
 
 # The launch configurations of `choose_config` at the DSv4 shape (r = 4096): decode split-K at the three
-# decode tiles (fp32 workspace) and b = 128 full-K (bf16 out), on every target; prefill full-K with each
-# platform's tiles on its targets; the split-K reduction.
+# decode tiles (fp32 workspace) on every target; b = 128 and prefill full-K (bf16 out) with each platform's tiles
+# on its targets (TMA descriptors on sm_90); the split-K reduction.
 AOT_SPECS = [
     *(_einsum_spec(choose_config(b, 8, 1024, 32, DEFAULT_NUM_SMS), "fp32") for b in (1, 32, 64)),
-    _einsum_spec(choose_config(128, 8, 1024, 32, DEFAULT_NUM_SMS), "bf16"),
-    *(_einsum_spec(choose_config(4096, 8, 1024, 32, DEFAULT_NUM_SMS, platform), "bf16", targets)
-      for platform, targets in PLATFORM_TARGETS.items()),
+    *(_einsum_spec(choose_config(b, 8, 1024, 32, DEFAULT_NUM_SMS, platform), "bf16", targets)
+      for b in (128, 4096) for platform, targets in PLATFORM_TARGETS.items()),
     AotSpec(
         name="split_k_reduce",
         kernel=_split_k_reduce_kernel,
