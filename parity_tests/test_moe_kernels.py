@@ -565,3 +565,53 @@ def test_gpu_moe_and_route_match_the_reference(backend: str, tokens: int) -> Non
     cand = omoe.moe(x, w, token_ids=None, cfg=cfg, numerics=OFFICIAL, backend=backend)
     want = ref.moe(x, w, token_ids=None, cfg=cfg, numerics=OFFICIAL)
     _assert_simulated(cand[same], want[same], f"moe {backend} T={tokens}")
+
+
+def test_programmatic_dependent_launch_only_where_the_gpu_has_it() -> None:
+    """PDL's griddepcontrol instructions are PTX of sm_90+: no PDL in the interpreter, on the CPU, on ROCm or on
+    older NVIDIA GPUs (the kernels then compile exactly as without it)."""
+    from optimized.backends import detect
+    from optimized.triton._pdl import pdl_launch
+
+    hw = detect()
+    nvidia_sm90 = hw.device == "cuda" and not hw.interpret and int(hw.arch.removeprefix("sm")) >= 90
+    assert pdl_launch() == ({"PDL": True, "launch_pdl": True} if nvidia_sm90 else {"PDL": False})
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "deepgemm"])
+@pytest.mark.parametrize("tokens", [1, 8, 300])
+def test_gpu_moe_chain_with_dependent_launches_equals_it_without_them(backend: str, tokens: int,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each chain kernel waits for its predecessor before it reads memory, so the output is the same bit for bit
+    with PDL on and off, eagerly and replayed from a CUDA graph (the decode step's mode) where the path can be
+    captured (DeepGEMM's contiguous layout reads a row count on the host)."""
+    from optimized.backends import host_sync
+    from optimized.triton import moe_gemm, moe_permute, moe_routing, quant
+
+    ok, why = backend_status(backend)
+    if not ok:
+        pytest.skip(f"backend {backend!r} unavailable: {why}")
+    device = "cuda"
+    cfg = GPU_CFG
+    w = ref.random_moe_weights(cfg, cfg.n_hash_layers, generator=torch.Generator(device).manual_seed(4),
+                               device=device)
+    x = torch.randn(tokens, cfg.dim, generator=torch.Generator(device).manual_seed(5), device=device).bfloat16()
+
+    def run() -> torch.Tensor:
+        return omoe.moe(x, w, token_ids=None, cfg=cfg, numerics=OFFICIAL, backend=backend)
+
+    with_pdl = run()
+    replayed = with_pdl
+    if host_sync(run) is None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = run()
+        graph.replay()
+        torch.cuda.synchronize()
+    for module in (moe_gemm, moe_permute, moe_routing, quant):
+        monkeypatch.setattr(module, "pdl_launch", lambda: {"PDL": False})
+    without = run()
+    assert torch.equal(with_pdl.view(torch.int16), without.view(torch.int16))
+    assert torch.equal(replayed.view(torch.int16), without.view(torch.int16))

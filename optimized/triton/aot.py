@@ -129,6 +129,8 @@ def compile_one(spec: AotSpec, target: tuple[str, str, Any, int, str]) -> dict[s
         constexprs.update(fp8_constants(fmt))
     if "NATIVE_CAST" in spec.kernel.arg_names:  # the device's own FP8 cast where it rounds like the reference
         constexprs["NATIVE_CAST"] = backend == "cuda" and fmt == "e4m3fn"
+    if "PDL" in spec.kernel.arg_names:  # programmatic dependent launch on NVIDIA (`_pdl.pdl_launch`)
+        constexprs["PDL"] = backend == "cuda"
     for key in constexprs:
         signature[key] = "constexpr"
     row: dict[str, Any] = {"kernel": spec.name, "target": name, "fmt": fmt}

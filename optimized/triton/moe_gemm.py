@@ -45,6 +45,7 @@ from optimized.triton._fp8 import (
     round_to_fp8_grid,
     ue8m0_scale,
 )
+from optimized.triton._pdl import pdl_launch, pdl_wait
 from optimized.triton.aot import ALL_TARGETS, PLATFORM_TARGETS, AotSpec
 from optimized.triton.moe_permute import MoeLayout
 from reference.formats import ACT_EPS, FP8Format, fp8_format
@@ -154,12 +155,13 @@ def _grouped_gemm_kernel(
     GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     A_FP8: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_BF16: tl.constexpr, ACT_BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """out[rows, n-tile] of one expert: load tiles, block-scaled accumulate, epilogue, store.
 
     BLOCK_K = ACT_BLOCK for FP8 A (one activation scale per K step), 128 for bf16 A (one weight scale).
     """
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -283,6 +285,7 @@ def grouped_gemm(
         ACT_BLOCK=act_block, BLOCK_K=act_block if a_fp8 else FP8_WEIGHT_BLOCK, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, **fp8_constants(fmt),
         num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch(),
     )
     return out, out_scale
 
@@ -293,9 +296,10 @@ def _swiglu_quant_kernel(
     n_slots, limit, rows_per_group,
     stride_h, stride_o, stride_os_g, stride_os_m, stride_os_k,
     N: tl.constexpr, GROUPED: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """For each slot's row: gate/up bf16 -> SwiGLU * weight -> bf16 -> FP8 + scale (MN-major, by group)."""
+    pdl_wait(PDL)
     pid_s = tl.program_id(0)
     pid_n = tl.program_id(1)
     slots = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -351,6 +355,7 @@ def swiglu_quant(
         h, layout.slot_row if layout is not None else h, topk_weights if topk_weights is not None else h,
         flat_out, out_scale, n_slots, float(limit), rows_per_group, h.stride(0), flat_out.stride(0), *s_strides,
         N=n_half, GROUPED=layout is not None, BLOCK_S=SWIGLU_BLOCK_S, BLOCK_N=FP8_WEIGHT_BLOCK, **fp8_constants(f),
+        **pdl_launch(),
     )
 
 

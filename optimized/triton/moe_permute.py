@@ -36,6 +36,7 @@ import triton.language as tl
 
 from optimized.backends import detect
 from optimized.triton._fp8 import prepare_interpreter
+from optimized.triton._pdl import pdl_launch, pdl_wait
 from optimized.triton.aot import AotSpec
 
 SKIPPED = tl.constexpr(-1)
@@ -82,8 +83,10 @@ class MoeLayout:
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, n_slots, n_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, n_slots, n_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """counts[chunk, e] = slots of this chunk routed to expert e."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     slots = pid * CHUNK + tl.arange(0, CHUNK)
     eid = tl.load(ids_ptr + slots, mask=slots < n_slots, other=-1)
@@ -122,9 +125,10 @@ def _rank_in_chunk(eid, ok, lane):
 def _offsets_kernel(
     counts_ptr, chunk_base_ptr, expert_start_ptr, expert_count_ptr,
     n_chunks, n_experts, align, capacity,
-    BLOCK_C: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_C: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """chunk_base[c, e] = slots of expert e in chunks before c; segment starts and per-expert counts."""
+    pdl_wait(PDL)
     offs_e = tl.arange(0, E_PAD)
     carry = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, n_chunks, BLOCK_C):
@@ -141,9 +145,10 @@ def _offsets_kernel(
 def _scatter_kernel(
     ids_ptr, chunk_base_ptr, expert_start_ptr, slot_row_ptr, sorted_slot_ptr, row_expert_ptr,
     n_slots, n_experts, capacity,
-    CHUNK: tl.constexpr, E_PAD: tl.constexpr, WRITE_ROWS: tl.constexpr,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, WRITE_ROWS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """slot_row[s] and, when WRITE_ROWS, sorted_slot[row] / row_expert[row] for this chunk's slots."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
     slots = pid * CHUNK + lane
@@ -168,10 +173,12 @@ def _permute_chunk_kernel(
     ids_ptr, expert_start_ptr, expert_count_ptr, slot_row_ptr, rows_ptr,
     n_slots, n_experts, n_rows, align, capacity,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_R: tl.constexpr, WRITE_ROWS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The three kernels above for a single chunk (chunk bases 0), in one program; with WRITE_ROWS, every row of
     `rows` = [sorted_slot; row_expert] ([2, n_rows], contiguous) is written (padding rows -1, as the fill before the
     three kernels)."""
+    pdl_wait(PDL)
     lane = tl.arange(0, CHUNK)
     in_range = lane < n_slots
     eid = tl.load(ids_ptr + lane, mask=in_range, other=-1)
@@ -237,7 +244,7 @@ def permute(
         _permute_chunk_kernel[(1,)](
             ids, expert_start, expert_count, slot_row, rows if rows is not None else slot_row,
             n_slots, n_experts, n_rows, align, capacity,
-            CHUNK=CHUNK, E_PAD=e_pad, BLOCK_R=PERMUTE_BLOCK_R, WRITE_ROWS=write_rows, num_warps=8,
+            CHUNK=CHUNK, E_PAD=e_pad, BLOCK_R=PERMUTE_BLOCK_R, WRITE_ROWS=write_rows, num_warps=8, **pdl_launch(),
         )
         return MoeLayout(slot_row, rows[0] if rows is not None else None, rows[1] if rows is not None else None,
                          expert_start, expert_count, n_rows, align, capacity)
@@ -245,14 +252,15 @@ def permute(
     chunk_base = torch.empty_like(counts)
     rows = torch.full((2, n_rows), -1, dtype=torch.int32, device=device) if write_rows else None
     if n_chunks:
-        _count_kernel[(n_chunks,)](ids, counts, n_slots, n_experts, CHUNK=CHUNK, E_PAD=e_pad)
+        _count_kernel[(n_chunks,)](ids, counts, n_slots, n_experts, CHUNK=CHUNK, E_PAD=e_pad, **pdl_launch())
     _offsets_kernel[(1,)](counts, chunk_base, expert_start, expert_count, n_chunks, n_experts, align, capacity,
-                          BLOCK_C=OFFSETS_BLOCK_C, E_PAD=e_pad, num_warps=8)
+                          BLOCK_C=OFFSETS_BLOCK_C, E_PAD=e_pad, num_warps=8, **pdl_launch())
     if n_chunks:
         _scatter_kernel[(n_chunks,)](
             ids, chunk_base, expert_start, slot_row,
             rows[0] if rows is not None else slot_row, rows[1] if rows is not None else slot_row,
             n_slots, n_experts, capacity, CHUNK=CHUNK, E_PAD=e_pad, WRITE_ROWS=write_rows, num_warps=8,
+            **pdl_launch(),
         )
     return MoeLayout(slot_row, rows[0] if rows is not None else None, rows[1] if rows is not None else None,
                      expert_start, expert_count, n_rows, align, capacity)
@@ -264,8 +272,10 @@ def _gather_rows_kernel(
     n_slots, n_bytes, n_scales, rows_per_group,
     stride_src, stride_src_s_t, stride_src_s_k, stride_dst, stride_dst_s_g, stride_dst_s_m, stride_dst_s_k,
     TOPK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SCALES_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """dst[row(s)] = src[s // TOPK] (bytes) and its scales, for every placed slot s."""
+    pdl_wait(PDL)
     pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
     slots = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -315,6 +325,7 @@ def gather_rows(
         src, scale, layout.slot_row, dst, out_scale, n_slots, n_bytes, scale.shape[1], rows_per_group,
         src.stride(0), scale.stride(0), scale.stride(1), dst.stride(0), *s_strides,
         TOPK=topk, BLOCK_S=GATHER_BLOCK_S, BLOCK_D=GATHER_BLOCK_D, SCALES_PAD=triton.next_power_of_2(scale.shape[1]),
+        **pdl_launch(),
     )
 
 
@@ -323,9 +334,10 @@ def _combine_kernel(
     y_ptr, slot_row_ptr, ids_ptr, shared_ptr, out_ptr,
     n_tokens, dim, stride_y, stride_shared, stride_out,
     TOPK: tl.constexpr, K_PAD: tl.constexpr, HAS_SHARED: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """out[t] = bf16( sum over t's slots, in ascending expert id, of fp32 y[row] (+ fp32 shared[t]) )."""
+    pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -379,6 +391,7 @@ def combine(
         n_tokens, dim, y.stride(-2), shared.stride(0) if shared is not None else 0, out.stride(0),
         TOPK=topk, K_PAD=triton.next_power_of_2(topk), HAS_SHARED=shared is not None,
         BLOCK_T=block_t, BLOCK_D=COMBINE_BLOCK_D,
+        **pdl_launch(),
     )
     return out
 

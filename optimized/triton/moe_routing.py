@@ -23,6 +23,7 @@ import triton.language as tl
 
 from optimized.backends import detect
 from optimized.triton._fp8 import prepare_interpreter
+from optimized.triton._pdl import pdl_launch, pdl_wait
 from optimized.triton.aot import AotSpec
 
 # Logits GEMM tiles. The hidden-dim split and the K steps are the same at every token count, so that a token's
@@ -74,8 +75,10 @@ def _router_logits_kernel(
     n_tokens, n_experts,
     stride_xt, stride_we, stride_os, stride_ot,
     D_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[split, t, e] = sum over the split's hidden dims of x[t, d] * w[e, d] (fp32)."""
+    pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -104,9 +107,10 @@ def _router_topk_kernel(
     n_tokens, n_experts, vocab_size, route_scale,
     stride_ls, stride_lt, stride_hash,
     N_SPLIT: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HASH: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """ids[t, j], weights[t, j] for j < TOPK (spec §5.1)."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, E_PAD)
@@ -191,6 +195,7 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | Non
         x.stride(0), gate_weight.stride(0), out.stride(0), out.stride(1),
         D_PER_SPLIT=dim // n_split, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=LOGITS_BLOCK_D,
         num_warps=LOGITS_WARPS, num_stages=LOGITS_STAGES,
+        **pdl_launch(),
     )
     return out
 
@@ -226,6 +231,7 @@ def router_topk(
         logits.stride(0), logits.stride(1), tid2eid.stride(0) if hashed else 0,
         N_SPLIT=n_split, TOPK=topk, K_PAD=triton.next_power_of_2(topk), BLOCK_T=block_t,
         E_PAD=triton.next_power_of_2(n_experts), HAS_BIAS=bias is not None and not hashed, HASH=hashed,
+        **pdl_launch(),
     )
     return ids, weights
 

@@ -38,6 +38,7 @@ from optimized.triton._fp8 import (
     prepare_interpreter,
     ue8m0_scale,
 )
+from optimized.triton._pdl import pdl_launch, pdl_wait
 from optimized.triton.aot import AotSpec
 from reference.einsum import ATTN_OUT_EPS, SCALE_BLOCK, check_attn_output_args
 from reference.formats import ACT_EPS, FP8Format, fp8_format
@@ -78,8 +79,10 @@ def _quant_per_token_kernel(
     M, M_PAD, stride_xm, stride_qm, stride_sm, stride_sk,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, NATIVE_CAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program = BLOCK_M rows x one block of BLOCK channels: load, amax, scale, round, store."""
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     kb = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -269,6 +272,7 @@ def quantize_per_token_checked(
         x, q, s, m, m_pad, x.stride(0), k, stride_sm, stride_sk,
         BLOCK=block, BLOCK_M=block_m, EPS=eps, **fp8_constants(f), NATIVE_CAST=native_fp8_cast(f, x.device),
         num_warps=4, enable_fp_fusion=False,
+        **pdl_launch(),
     )
     return q, s
 
