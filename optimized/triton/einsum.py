@@ -182,8 +182,8 @@ def _fp8_einsum_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, SCALE_BLOCKS_PER_SPLIT):
         k0 = (kb_start + i) * SCALE_K
-        # FP8 x FP8 -> fp32 over one scale block of K (one dot, or SCALE_K / BLOCK_K of them)
-        block_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # FP8 x FP8 -> fp32 over one scale block of K (one dot, or SCALE_K / BLOCK_K of them). The first dot takes
+        # no accumulator (WGMMA's scale-d = 0): no zeroed registers to feed it, the same sums (b = 4096 331 -> 303 us)
         for kk in tl.static_range(0, SCALE_K, BLOCK_K):
             if TMA:  # rows past M or N come back as zeros
                 a = a_ptr.load([pid_m * BLOCK_M, h, k0 + kk]).reshape(BLOCK_M, BLOCK_K)
@@ -191,7 +191,7 @@ def _fp8_einsum_kernel(
             else:
                 a = tl.load(a_ptrs + (k0 + kk), mask=m_ok[:, None], other=0.0)
                 b = tl.load(b_ptrs + (k0 + kk), mask=n_ok[:, None], other=0.0)
-            block_acc = tl.dot(a, tl.trans(b), block_acc)
+            block_acc = tl.dot(a, tl.trans(b)) if kk == 0 else tl.dot(a, tl.trans(b), block_acc)
         sa = tl.load(sa_ptrs + (kb_start + i) * stride_sak, mask=m_ok, other=0.0)
         # promotion into the fp32 main accumulator (power-of-two scales: the products are exact)
         if TILE_SHARES_SB:
