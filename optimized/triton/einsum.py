@@ -182,8 +182,8 @@ def _fp8_einsum_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, SCALE_BLOCKS_PER_SPLIT):
         k0 = (kb_start + i) * SCALE_K
-        # FP8 x FP8 -> fp32 over one scale block of K (one dot, or SCALE_K / BLOCK_K of them). The first dot takes
-        # no accumulator (WGMMA's scale-d = 0): no zeroed registers to feed it, the same sums (b = 4096 331 -> 303 us)
+        # FP8 x FP8 -> fp32 over one scale block of K (one dot, or SCALE_K / BLOCK_K of them)
+        block_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in tl.static_range(0, SCALE_K, BLOCK_K):
             if TMA:  # rows past M or N come back as zeros
                 a = a_ptr.load([pid_m * BLOCK_M, h, k0 + kk]).reshape(BLOCK_M, BLOCK_K)
@@ -191,14 +191,21 @@ def _fp8_einsum_kernel(
             else:
                 a = tl.load(a_ptrs + (k0 + kk), mask=m_ok[:, None], other=0.0)
                 b = tl.load(b_ptrs + (k0 + kk), mask=n_ok[:, None], other=0.0)
-            block_acc = tl.dot(a, tl.trans(b)) if kk == 0 else tl.dot(a, tl.trans(b), block_acc)
+            block_acc = tl.dot(a, tl.trans(b), block_acc)
         sa = tl.load(sa_ptrs + (kb_start + i) * stride_sak, mask=m_ok, other=0.0)
+        # B's scale block of this K block. Its index stays an affine function of the loop counter: Triton's pipeliner
+        # then prefetches the scale load with the tiles, whereas `k0 // 128` left its latency exposed every iteration
+        # (H200, b = 4096: 332 -> 302 us; docs/h200/ab-einsum-variants.json)
+        if SCALE_K == 128:
+            sb_k = kb_start + i
+        else:  # finer activation blocks (the linear's act_block): 128 / SCALE_K of them per B scale block
+            sb_k = (kb_start + i) // (128 // SCALE_K)
         # promotion into the fp32 main accumulator (power-of-two scales: the products are exact)
         if TILE_SHARES_SB:
-            sb = tl.load(sb_ptrs + (k0 // 128) * stride_sbk)
+            sb = tl.load(sb_ptrs + sb_k * stride_sbk)
             acc += block_acc * (sa * sb)[:, None]
         else:
-            sb = tl.load(sb_ptrs + (k0 // 128) * stride_sbk, mask=n_ok, other=0.0)
+            sb = tl.load(sb_ptrs + sb_k * stride_sbk, mask=n_ok, other=0.0)
             acc += block_acc * (sa[:, None] * sb[None, :])
 
     c_ptrs = (c_ptr + split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm
