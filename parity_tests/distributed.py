@@ -11,8 +11,9 @@ one backend (`backend=`: the reference, or the optimized public API), and the ra
 unsharded reference layer, prints a table and writes a
 JSON report and JUnit XML (`parity_tests.report`'s formats, suite "sharded"); every rank exits with rank 0's
 code (1 when any check failed or a case raised; "not run" is not a failure). Process group: NCCL with one
-GPU per rank (`LOCAL_RANK`) when CUDA is available, else gloo on the CPU; NCCL's NVLink multicast is kept
-off (`MULTICAST_OFF`, set before the process group exists).
+GPU per rank (`LOCAL_RANK`) when CUDA is available and the Triton interpreter is off (under `TRITON_INTERPRET=1` the
+Triton backend takes CPU tensors), else gloo on the CPU; NCCL's NVLink multicast is kept off (`MULTICAST_OFF`,
+set before the process group exists).
 
 Ops:
   * moe_ep: expert parallelism. Routing replicated (every rank routes every token), rank r runs its
@@ -187,13 +188,21 @@ class World:
 
 def init_world() -> World:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or form a
-    world of one without torchrun. NCCL on CUDA (one GPU per rank), gloo otherwise; multicast off."""
+    world of one without torchrun. NCCL on CUDA (one GPU per rank), gloo on the CPU (no GPU, or the Triton
+    interpreter, whose kernels take CPU tensors); multicast off. Raises RuntimeError when a rank has no GPU."""
+    from optimized.backends import detect
+
     os.environ.update(MULTICAST_OFF)
     timeout = datetime.timedelta(seconds=float(os.environ.get("DSV4_DIST_TIMEOUT", COLLECTIVE_TIMEOUT_S)))
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not detect().interpret
     device = torch.device("cpu")
     if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK {local_rank}: this machine has {torch.cuda.device_count()} GPU(s), one per "
+                               "rank is needed; start fewer ranks per node, or set TRITON_INTERPRET=1 for gloo on the "
+                               "CPU")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     backend = "nccl" if cuda else "gloo"
     if "RANK" in os.environ:

@@ -434,9 +434,11 @@ _UNAVAILABLE = next((name for name in ("deepgemm", "triton") if not backend_stat
 
 EINSUM_BAD = {
     "expr_unknown": (_einsum_call(expr="bhr,hrd->bhd"), ValueError, "expr"),
-    "expr_not_in_triton": (_einsum_call(expr="bhd,hdr->bhr", a=(torch.zeros(2, 2, 256, dtype=torch.float8_e4m3fn),
-                                                                 torch.ones(2, 2, 2)),
-                                        b=(torch.zeros(2, 256, 384, dtype=torch.float8_e4m3fn), torch.ones(2, 2, 3))),
+    "expr_not_in_triton": (_einsum_call(expr="bhd,hdr->bhr",
+                                        a=(torch.zeros(2, 2, 256, dtype=torch.float8_e4m3fn, device=KERNEL_DEVICE),
+                                           torch.ones(2, 2, 2, device=KERNEL_DEVICE)),
+                                        b=(torch.zeros(2, 256, 384, dtype=torch.float8_e4m3fn, device=KERNEL_DEVICE),
+                                           torch.ones(2, 2, 3, device=KERNEL_DEVICE))),
                            ValueError, "expr"),
     "recipe_unknown": (_einsum_call(recipe=(1, 128, 64)), ValueError, "recipe"),
     "recipe_list": (_einsum_call(recipe=[1, 128, 128]), ValueError, "recipe"),
@@ -496,6 +498,16 @@ def _projection_args() -> dict[str, Any]:
             "wo_b": random_fp8_weight(TINY.dim, rank, generator=generator(20)), "numerics": VLLM_NVIDIA}
 
 
+def _on_kernel_device(args: dict[str, Any]) -> dict[str, Any]:
+    """`args` with its tensors and weights where the triton backend takes them (the GPU, or the CPU interpreter): a
+    backend-specific check is reached only after the device check."""
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.to(KERNEL_DEVICE)
+        return Fp8Weight(v.data.to(KERNEL_DEVICE), v.scale.to(KERNEL_DEVICE)) if isinstance(v, Fp8Weight) else v
+    return {k: move(v) for k, v in args.items()}
+
+
 def _projection_call(backend: str = "triton", **changes: Any) -> Callable[[], Any]:
     args = {**_projection_args(), **changes}
     return lambda: optimized.output_projection(args["o"], args["positions"], args["freqs"], args["wo_a"],
@@ -509,9 +521,10 @@ PROJECTION_BAD = {
     "positions_float": (_projection_call(positions=torch.zeros(3)), TypeError, "positions"),
     "freqs_2d": (_projection_call(freqs=torch.ones(2, 32)), ValueError, "freqs"),
     "numerics_name": (_projection_call(numerics="vllm_nvidia"), TypeError, "numerics"),
-    "numerics_bf16_wo_a_on_triton": (_projection_call(numerics=OFFICIAL), ValueError, "numerics"),
-    "numerics_no_act_quant_on_triton": (_projection_call(numerics=VLLM_NVIDIA.replace(act_quant=False)),
-                                        ValueError, "numerics"),
+    "numerics_bf16_wo_a_on_triton": (_projection_call(**_on_kernel_device(
+        {**_projection_args(), "numerics": OFFICIAL})), ValueError, "numerics"),
+    "numerics_no_act_quant_on_triton": (_projection_call(**_on_kernel_device(
+        {**_projection_args(), "numerics": VLLM_NVIDIA.replace(act_quant=False)})), ValueError, "numerics"),
     "wo_a_tensor": (_projection_call(wo_a=_WO_A.data), TypeError, "wo_a"),
     "wo_a_batched": (_projection_call(wo_a=Fp8Weight(_WO_A.data[None], _WO_A.scale[None])), ValueError, "wo_a"),
     "wo_a_k": (_projection_call(wo_a=random_fp8_weight(512, 1536, generator=generator(21))), ValueError, "wo_a"),

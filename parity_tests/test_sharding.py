@@ -249,12 +249,18 @@ def test_torchrun_gloo_sharded_parity_passes(world: int, tmp_path: Path) -> None
 
 
 def test_distributed_mode_without_torchrun_is_a_world_of_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """A world of one, on the process group this machine gets: NCCL on a GPU (not interpreted), gloo on the CPU; the
+    default configs follow it (FLASH on a GPU, TINY on the CPU)."""
+    from optimized.backends import detect
     from parity_tests.__main__ import main
 
+    gpu = torch.cuda.is_available() and not detect().interpret
     assert main(["--distributed", "--list", "--ops", "moe_ep", "--backends", "reference"]) == 0
     out = capsys.readouterr().out
-    assert "1 rank(s), gloo" in out and "NCCL_NVLS_ENABLE=0" in out
-    assert out.count("moe_ep[TINY,W=1,") == 2
+    assert f"1 rank(s), {'nccl' if gpu else 'gloo'}" in out and "NCCL_NVLS_ENABLE=0" in out
+    assert f"configs {'FLASH' if gpu else 'TINY'}" in out
+    assert main(["--distributed", "--list", "--config", "TINY", "--ops", "moe_ep", "--backends", "reference"]) == 0
+    assert capsys.readouterr().out.count("moe_ep[TINY,W=1,") == 2
 
 
 def _dispatch_combine(weights: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, world: int) -> torch.Tensor:
