@@ -504,6 +504,18 @@ def _gpu_backends() -> list[tuple[str, str | None]]:
     return [("triton", None), ("deepgemm", "masked"), ("deepgemm", "contiguous")]
 
 
+def _gpu_layer(backend: str, tokens: int, seed: int) -> tuple[ref.MoEWeights, torch.Tensor]:
+    """Random `GPU_CFG` MoE weights and `tokens` bf16 inputs on the GPU (seeds `seed`, `seed + 1`); skips the test
+    when `backend` is unavailable."""
+    ok, why = backend_status(backend)
+    if not ok:
+        pytest.skip(f"backend {backend!r} unavailable: {why}")
+    w = ref.random_moe_weights(GPU_CFG, GPU_CFG.n_hash_layers, generator=torch.Generator("cuda").manual_seed(seed),
+                               device="cuda")
+    x = torch.randn(tokens, GPU_CFG.dim, generator=torch.Generator("cuda").manual_seed(seed + 1), device="cuda")
+    return w, x.bfloat16()
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 64, 512])
@@ -511,14 +523,8 @@ def _gpu_backends() -> list[tuple[str, str | None]]:
                                                                        "deepgemm_contiguous"])
 def test_gpu_experts_match_the_reference_are_deterministic_and_confine_nan(tokens: int, backend: str,
                                                                            layout: str | None) -> None:
-    ok, why = backend_status(backend)
-    if not ok:
-        pytest.skip(f"backend {backend!r} unavailable: {why}")
-    device = "cuda"
-    cfg = GPU_CFG
-    w = ref.random_moe_weights(cfg, cfg.n_hash_layers, generator=torch.Generator(device).manual_seed(0),
-                               device=device)
-    x = torch.randn(tokens, cfg.dim, generator=torch.Generator(device).manual_seed(1), device=device).bfloat16()
+    device, cfg = "cuda", GPU_CFG
+    w, x = _gpu_layer(backend, tokens, seed=0)
     nan_token = tokens // 2
     x[nan_token, 11] = float("nan")
     ids, topk_weights = ref.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=cfg)
@@ -544,14 +550,8 @@ def test_gpu_experts_match_the_reference_are_deterministic_and_confine_nan(token
 @pytest.mark.parametrize("backend", ["triton", "deepgemm"])
 @pytest.mark.parametrize("tokens", [8, 512])
 def test_gpu_moe_and_route_match_the_reference(backend: str, tokens: int) -> None:
-    ok, why = backend_status(backend)
-    if not ok:
-        pytest.skip(f"backend {backend!r} unavailable: {why}")
-    device = "cuda"
     cfg = GPU_CFG
-    w = ref.random_moe_weights(cfg, cfg.n_hash_layers, generator=torch.Generator(device).manual_seed(2),
-                               device=device)
-    x = torch.randn(tokens, cfg.dim, generator=torch.Generator(device).manual_seed(3), device=device).bfloat16()
+    w, x = _gpu_layer(backend, tokens, seed=2)
     ids, weights = omoe.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=cfg, backend=backend)
     want_ids, want_weights = ref.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=cfg)
     keys = ref.router_scores(x, w.gate) + w.bias
@@ -590,14 +590,8 @@ def test_gpu_moe_chain_with_dependent_launches_equals_it_without_them(backend: s
     from optimized.backends import host_sync
     from optimized.triton import moe_gemm, moe_permute, moe_routing, quant
 
-    ok, why = backend_status(backend)
-    if not ok:
-        pytest.skip(f"backend {backend!r} unavailable: {why}")
-    device = "cuda"
     cfg = GPU_CFG
-    w = ref.random_moe_weights(cfg, cfg.n_hash_layers, generator=torch.Generator(device).manual_seed(4),
-                               device=device)
-    x = torch.randn(tokens, cfg.dim, generator=torch.Generator(device).manual_seed(5), device=device).bfloat16()
+    w, x = _gpu_layer(backend, tokens, seed=4)
 
     def run() -> torch.Tensor:
         return omoe.moe(x, w, token_ids=None, cfg=cfg, numerics=OFFICIAL, backend=backend)
