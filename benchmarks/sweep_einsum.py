@@ -307,7 +307,7 @@ def _host_call(job: Job, inputs: Inputs) -> Callable[[int], Any]:
         args = (a, sa, w[0], w[1], out, 1, cfg.o_lora_rank, nb, *a.stride()[:2], *sa.stride(), *w[0].stride()[:2],
                 *w[1].stride(), 0, *out.stride())
         kw = {"SCALE_K": 128, "GRAN_N": 128, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
-              "num_warps": c.num_warps, "num_stages": c.num_stages}
+              "TMA": False, "num_warps": c.num_warps, "num_stages": c.num_stages}  # b = 1: pointer loads
         return lambda i: triton_einsum._fp8_einsum_kernel[grid](*args, **kw)
     q, s = entry["a"]
     table = torch.zeros((2, 1, freqs.shape[0]), device=inputs.device)
