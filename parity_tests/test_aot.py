@@ -60,3 +60,19 @@ def test_no_kernel_fails_spills_or_exceeds_shared_memory(aot_rows: list[dict]) -
     bad = [f"{r['kernel']} on {r['target']}: {r.get('error') or ''} spills={r.get('spills')} shared={r.get('shared')}"
            for r in aot_rows if not r["ok"]]
     assert not bad, "\n".join(bad)
+
+
+def test_tma_and_dependent_launch_are_compiled_in_exactly_where_launches_ask_for_them(aot_rows: list[dict]) -> None:
+    """The einsum's `TMA` launches read through TMA on sm_90 and its pointer launches do not; every kernel with a `PDL`
+    constexpr waits on its predecessor (`griddepcontrol.wait`) on sm_90, as `_pdl.pdl_launch` launches it there; no
+    other sm_90 kernel does, and no AMD kernel has either (a silent fallback of either feature would pass every
+    numeric test)."""
+    from optimized.triton import einsum
+    from optimized.triton.aot import all_specs
+
+    specs = {spec.name: spec for spec in all_specs()}
+    for r in aot_rows:
+        spec, nvidia = specs[r["kernel"]], r["target"] == "sm_90"
+        if spec.kernel is einsum._fp8_einsum_kernel:
+            assert r["tma"] == (nvidia and spec.constexprs["TMA"]), r
+        assert r["pdl"] == (nvidia and "PDL" in spec.kernel.arg_names), r

@@ -145,6 +145,10 @@ def compile_one(spec: AotSpec, target: tuple[str, str, Any, int, str]) -> dict[s
         kernel = triton.compile(src, target=GPUTarget(backend, arch, warp),
                                 options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
         row.update(_resources(kernel, name))
+        # features that must really be compiled in where a launch asks for them (PTX of NVIDIA targets only)
+        ptx = kernel.asm.get("ptx", "") if backend == "cuda" else ""
+        row["tma"] = "cp.async.bulk.tensor" in ptx  # TMA tile loads (the einsum's `TMA`)
+        row["pdl"] = "griddepcontrol.wait" in ptx  # programmatic dependent launch (`_pdl.pdl_wait`)
         row["ok"] = row["spills"] == 0 and row["shared"] <= MAX_SHARED_BYTES[name]
     except Exception as exc:  # reported, and fails the check
         row["ok"] = False
