@@ -15,8 +15,9 @@ Two variants, picked by `choose_config` from the token count b:
 Operand loads: pointer loads everywhere, or (`EinsumConfig.tma`, NVIDIA sm_90+ and the interpreter) Hopper's
 TMA through Triton tensor descriptors over A [M, H, K] and B [H, N, K]: the copy engine fetches whole tiles
 into shared memory with no address arithmetic in registers, rows past M or N read as zeros. Same dots, same
-order, the same output bit for bit. On AMD Triton lowers descriptors to plain loads that spill at these tiles
-(the AOT check: gfx942 gate/up tiles 148 -> 390 VGPRs), so the AMD tables keep pointer loads.
+order, the same output bit for bit. On AMD Triton lowers descriptors to plain loads, which spill at the tiles
+that matter (an AOT compile of descriptor variants: this kernel's 128 x 128 tile spills on gfx950, the MoE gate/up
+tile goes from 148 to 390 VGPRs on gfx942), so the AMD tables keep pointer loads.
 """
 
 from __future__ import annotations
