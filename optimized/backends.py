@@ -55,6 +55,10 @@ class Hardware:
     interpret: bool
     fp8_format: str
 
+    def nvidia_sm(self, sm: int) -> bool:
+        """An NVIDIA GPU of compute capability `sm` (89 = sm_89, 90 = sm_90) or later."""
+        return self.device == "cuda" and int(self.arch.removeprefix("sm")) >= sm
+
     @property
     def torch_device(self) -> str:
         """The torch device string tensors for this hardware live on (`cuda` for ROCm too)."""

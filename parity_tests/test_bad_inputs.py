@@ -41,6 +41,21 @@ def test_corpus_covers_every_public_op_and_category() -> None:
     assert set(registry()) <= {e.op for e in CORPUS}
 
 
+def test_nvidia_compute_capability_rule_of_the_device_features() -> None:
+    """`Hardware.nvidia_sm` (the native FP8 cast from sm_89, TMA and programmatic dependent launch from sm_90): NVIDIA
+    only, by compute capability, never ROCm or the CPU."""
+    import dataclasses
+
+    from optimized import backends
+
+    hw = backends.detect()
+    for device, arch, at_89, at_90 in (("cuda", "sm89", True, False), ("cuda", "sm90", True, True),
+                                       ("cuda", "sm100", True, True), ("cuda", "sm80", False, False),
+                                       ("rocm", "gfx942", False, False), ("cpu", "cpu", False, False)):
+        sim = dataclasses.replace(hw, device=device, arch=arch)
+        assert (sim.nvidia_sm(89), sim.nvidia_sm(90)) == (at_89, at_90), arch
+
+
 def test_cpu_tensors_on_a_gpu_machine_name_the_argument_or_select_the_reference(monkeypatch: pytest.MonkeyPatch
                                                                                  ) -> None:
     """On a GPU machine without TRITON_INTERPRET the GPU backends cannot take CPU tensors: a requested one is a

@@ -91,8 +91,7 @@ def native_fp8_cast(fmt: str | FP8Format, device: torch.device) -> bool:
     """Whether `cast_to_fp8` may cast directly: e4m3fn on an NVIDIA GPU of sm_89 or later, not interpreted
     (from the cached `optimized.backends.detect()`: one dict lookup per launch)."""
     hw = detect()
-    return (fp8_format(fmt).name == "e4m3fn" and device.type == "cuda" and hw.device == "cuda" and not hw.interpret
-            and int(hw.arch.removeprefix("sm")) >= 89)
+    return fp8_format(fmt).name == "e4m3fn" and device.type == "cuda" and hw.nvidia_sm(89) and not hw.interpret
 
 
 def fp8_constants(fmt: str | FP8Format) -> dict[str, float | int]:

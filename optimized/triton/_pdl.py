@@ -34,6 +34,6 @@ def pdl_wait(PDL: tl.constexpr):
 def pdl_launch() -> dict[str, bool]:
     """Launch kwargs of a chain kernel: `PDL` (its constexpr) and Triton's `launch_pdl` where the GPU supports it."""
     hw = detect()
-    if hw.device == "cuda" and not hw.interpret and int(hw.arch.removeprefix("sm")) >= 90:
+    if hw.nvidia_sm(90) and not hw.interpret:
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}

@@ -218,7 +218,7 @@ def tma_loads(*operands: torch.Tensor) -> bool:
     """Whether the kernel can read `operands` through TMA descriptors: the interpreter or an NVIDIA GPU of sm_90+,
     and every operand 16-byte aligned (base address and every stride but the last; TMA's rule)."""
     hw = detect()
-    if not (hw.interpret or (hw.device == "cuda" and int(hw.arch.removeprefix("sm")) >= 90)):
+    if not (hw.interpret or hw.nvidia_sm(90)):
         return False
     return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
                for t in operands)
