@@ -268,7 +268,7 @@ def test_combine_sums_slots_in_ascending_expert_id_in_fp32_and_poisons_overflow(
 
 
 def _reference_rows(x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor, w: ref.MoEWeights,
-                    numerics: Numerics) -> torch.Tensor:
+                    numerics: Numerics, cfg=SMALL) -> torch.Tensor:
     """[T * k, D] bf16: reference `expert_forward` of each slot on its own (rows of -1 slots are zero)."""
     rows = torch.zeros(ids.numel(), x.shape[1], dtype=torch.bfloat16)
     k = ids.shape[1]
@@ -276,7 +276,7 @@ def _reference_rows(x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tens
         if e >= 0:
             t, j = divmod(s, k)
             rows[s] = ref.expert_forward(x[t:t + 1], ref._expert(w.w13, e), ref._expert(w.w2, e),
-                                         topk_weights[t, j:j + 1], swiglu_limit=SMALL.swiglu_limit,
+                                         topk_weights[t, j:j + 1], swiglu_limit=cfg.swiglu_limit,
                                          numerics=numerics)[0]
     return rows
 
@@ -308,6 +308,79 @@ def test_shared_rows_equal_the_reference_shared_expert(clamp: bool) -> None:
     cand = shared_rows(a, a_scale, w.shared_w13, w.shared_w2, swiglu_limit=SMALL.swiglu_limit, numerics=numerics)
     want = ref.shared_expert(x, w.shared_w13, w.shared_w2, swiglu_limit=SMALL.swiglu_limit, numerics=numerics)
     _assert_simulated(cand, want, "shared expert")
+
+
+@needs_triton
+@pytest.mark.parametrize("numerics", [OFFICIAL, MEGAMOE, EXACT], ids=["official", "megamoe_act_block_32", "exact_bf16"])
+def test_split_k_gemms_add_their_slices_in_order_and_equal_the_whole_k_loop(numerics: Numerics) -> None:
+    """Split-K (`GemmConfig.split_k`: each program runs one K slice, the tile's last program to arrive adds the
+    slices in order and runs the epilogue) on both GEMMs of the routed and the shared expert, D 1024 (8 K blocks).
+
+    Against the whole-K launch: the slices only regroup the fp32 sum of the per-block partial products (the
+    per-block products, scales and epilogue are the same), so outputs differ at most by fp32 reassociation, which a
+    bf16 output (and the FP8 quantization of the SwiGLU output) hides almost always; the bound is MOE_SIMULATED
+    against the reference, and calc_diff <= 1e-9 against the whole-K launch (measured 0 here; reassociating an fp32
+    sum of 8 terms moves it by a few 2^-24 relative, calc_diff ~1e-14, far below one bf16 rounding flip per
+    thousands of values, ~1e-7). A slice that is dropped or added twice costs calc_diff > 0.1."""
+    from optimized.triton import moe_gemm
+    from optimized.triton.moe_permute import permute
+    from optimized.triton.moe_pipeline import activation, clamp_limit
+
+    cfg = SMALL.replace(dim=1024)
+    w = _weights(fmt=numerics.fp8_format, cfg=cfg)
+    x = _x(5, dim=cfg.dim)
+    ids, topk_weights = ref.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=cfg)
+    a, a_scale = activation(x, numerics)
+    layout = permute(ids, cfg.n_routed_experts, align=16)
+    common = {"numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
+    routed = {"layout": layout, "topk": ids.shape[1], "gather": True, "topk_weights": topk_weights.reshape(-1),
+              "limit": clamp_limit(cfg.swiglu_limit)}
+    outputs = {}
+    for split in (1, 2, 8):
+        config = moe_gemm.GemmConfig(16, 128, 4, 1, split)
+        h, h_scale = moe_gemm.grouped_gemm(a, a_scale, w.w13.data, w.w13.scale, config=config, swiglu=True,
+                                           **routed, **common)
+        # the down GEMM's K is I = 256: two K blocks, split 2
+        down = moe_gemm.GemmConfig(16, 128, 4, 1, min(split, 2))
+        y, _ = moe_gemm.grouped_gemm(h, h_scale, w.w2.data, w.w2.scale, config=down, swiglu=False, layout=layout,
+                                     **common)
+        hs, hs_scale = moe_gemm.grouped_gemm(a, a_scale, w.shared_w13.data[None], w.shared_w13.scale[None],
+                                             config=config, swiglu=True, layout=None,
+                                             limit=clamp_limit(cfg.swiglu_limit if numerics.shared_expert_clamp else 0),
+                                             **common)
+        ys, _ = moe_gemm.grouped_gemm(hs, hs_scale, w.shared_w2.data[None], w.shared_w2.scale[None], config=down,
+                                      swiglu=False, layout=None, **common)
+        outputs[split] = (y[layout.slot_row.long()], ys)
+    want_rows = _reference_rows(x, ids, topk_weights, w, numerics, cfg)
+    want_shared = ref.shared_expert(x, w.shared_w13, w.shared_w2, swiglu_limit=cfg.swiglu_limit, numerics=numerics)
+    for split, (rows, shared) in outputs.items():
+        _assert_simulated(rows, want_rows, f"routed rows, split {split}")
+        _assert_simulated(shared, want_shared, f"shared expert, split {split}")
+        for got, whole in zip((rows, shared), outputs[1]):
+            assert calc_diff(got, whole) <= 1e-9, f"split {split}: not the whole-K sum up to fp32 reassociation"
+    with pytest.raises(ValueError, match=re.escape("config: split_k = 3 must divide the")):
+        moe_gemm.grouped_gemm(a, a_scale, w.shared_w13.data[None], w.shared_w13.scale[None],
+                              config=moe_gemm.GemmConfig(16, 128, 4, 1, 3), swiglu=True, layout=None, **common)
+
+
+def test_split_k_rule_splits_only_grids_that_leave_sms_idle() -> None:
+    """`split_k_for` at FLASH (D 4096, I 2048) on the H200's 132 SMs: the decode shared expert splits (16 gate/up
+    tiles: 8 ways; 64 down tiles: 4 ways), the routed decode grid (6 experts x 16 tiles at T = 1) and prefill do not,
+    and neither does AMD (not measured)."""
+    from optimized.triton.moe_gemm import choose_config, split_k_for
+
+    def splits(rows: int, rows_per_expert: float, platform: str = "nvidia") -> tuple[int, int]:
+        gate_up = choose_config(rows_per_expert, 2048, True, platform=platform)
+        down = choose_config(rows_per_expert, 4096, False, platform=platform)
+        return (split_k_for(gate_up, rows, 2048, 4096, 132, True, platform).split_k,
+                split_k_for(down, rows, 4096, 2048, 132, False, platform).split_k)
+
+    assert splits(1, 1) == (8, 4)  # shared expert, T = 1
+    assert splits(16, 16) == (8, 4)  # shared expert, T = 16: the last token count of the decode tiles
+    assert splits(64, 64) == (1, 1)  # shared expert, T = 64: 64-row tiles stay whole (measured no faster)
+    assert splits(96, 1) == (1, 1)  # routed, T = 1: 6 experts x 16 rows
+    assert splits(4096, 4096) == (1, 1)
+    assert splits(1, 1, platform="amd") == (1, 1)
 
 
 @needs_triton

@@ -32,6 +32,7 @@ where the NaN stays in the FP8 value): a NaN token stays NaN through both GEMMs 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,9 @@ WEIGHT_BLOCK = tl.constexpr(FP8_WEIGHT_BLOCK)  # weight scales: one per 128 x 12
 EPS = tl.constexpr(ACT_EPS)  # amax floor of the activation quantization (official act_quant)
 # swiglu_quant tiles: slots x 128 channels (one quantization block).
 SWIGLU_BLOCK_S = 16
+# The decode tile height (`choose_config`: rows per expert <= 16; the smallest `tl.dot` M), the only tiles
+# `split_k_for` splits.
+DECODE_BLOCK_M = 16
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class GemmConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
 
 
 def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: bool = False,
@@ -93,13 +98,46 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
     """
     if interpret:
         return GemmConfig(64 if rows_per_expert <= 64 else 128, min(n_out, 256), 4, 1)
-    if rows_per_expert <= 16:
+    if rows_per_expert <= DECODE_BLOCK_M:
         if not swiglu:
-            return GemmConfig(16, 64, 4, 3)
-        return GemmConfig(16, 128, 8, 4) if platform == "nvidia" else GemmConfig(16, 128, 4, 2)
+            return GemmConfig(DECODE_BLOCK_M, 64, 4, 3)
+        return GemmConfig(DECODE_BLOCK_M, 128, 8, 4) if platform == "nvidia" else GemmConfig(DECODE_BLOCK_M, 128, 4, 2)
     if platform != "nvidia":
         return GemmConfig(64, 128, 8, 2)
     return GemmConfig(64, 128, 8, 4) if swiglu else GemmConfig(64, 128, 4, 3)
+
+
+# Split-K (`split_k_for`): programs per SM a split grid may fill, by GEMM (H200 occupancy: the decode gate/up tile,
+# 8 warps and 104 KB of shared memory, runs one per SM; the 4-warp down tile, 20 KB, several).
+SPLIT_PROGRAMS_PER_SM = {"gate_up": 1, "down": 2}
+# A slice keeps at least this many 128-wide K blocks (the pipeline's stages need a few iterations to fill).
+MIN_K_BLOCKS_PER_SPLIT = 4
+
+
+def split_k_for(config: GemmConfig, n_rows: int, n_out: int, k: int, sms: int, swiglu: bool,
+                platform: str = "nvidia") -> GemmConfig:
+    """`config` with the K split that fills the GPU: for the decode tiles (BLOCK_M = 16), the largest power of two
+    whose programs (output tiles x split) stay within `SPLIT_PROGRAMS_PER_SM` per SM, with at least
+    `MIN_K_BLOCKS_PER_SPLIT` K blocks per slice.
+
+    What splits is the decode shared expert (FLASH, T <= 16: one row block, 16 gate/up tiles of 128 columns and 64
+    down tiles, each streaming a whole K): 8 and 4 slices. H200, same run, against whole-K launches, CUDA-graph
+    replays (`docs/h200/ab-moe-split-k-rule.json`): the shared expert 40.4 -> 22.9 us at T = 1 and 8, 40.0 -> 23.2
+    us at T = 16; the whole MoE 107.3 -> 90.9 us (T = 1), 351.9 -> 329.8 us (T = 8), 543.7 -> 527.5 us (T = 16).
+    The routed decode grids stay whole (96 gate/up tiles at T = 1 are most of the SMs already; a split measured
+    slower there: 71.0 -> 74.4 us, `ab-moe-split-k-2.json`), and so do the 64-row tiles (shared expert at T = 64:
+    8 and 4 slices 43.5 -> 44.7 us). AMD keeps full-K (not measured: no ROCm GPU here).
+    """
+    if config.block_m != DECODE_BLOCK_M or platform != "nvidia":
+        return config
+    n_tiles = -(-n_rows // config.block_m) * (n_out // config.block_n)
+    budget = sms * SPLIT_PROGRAMS_PER_SM["gate_up" if swiglu else "down"]
+    k_blocks = k // FP8_WEIGHT_BLOCK
+    split = 1
+    while (n_tiles * split * 2 <= budget and k_blocks % (split * 2) == 0
+           and k_blocks // (split * 2) >= MIN_K_BLOCKS_PER_SPLIT):
+        split *= 2
+    return dataclasses.replace(config, split_k=split)
 
 
 @triton.jit
@@ -144,10 +182,34 @@ def _quantize_rows(
 
 
 @triton.jit
+def _arrive(counter_ptr):
+    """Count this program in at its tile's counter, once all its threads have stored their partial sums; returns
+    the count before it (the last of S programs gets S - 1).
+
+    The pattern of CUTLASS's split-K semaphore: a CTA barrier, then one thread's atomic with release semantics at
+    GPU scope (Triton runs a scalar atomic in one thread and broadcasts the result), so every store of the program
+    is visible to the program that acquires the count; acquire makes the other programs' stores visible to this one.
+    """
+    tl.debug_barrier()
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def _sum_slices(ptrs, valid, slice_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The sum of a tile's SPLIT_K fp32 partial sums, in slice order (the same order whichever program adds them,
+    so the result does not depend on which slice finished last). Loads bypass L1 (`.cg`): L1 is not coherent
+    with the other SMs' stores."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ptrs + s * slice_stride, mask=valid[:, None], other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
-    sorted_slot_ptr, row_expert_ptr, topk_w_ptr,
-    n_rows, limit,
+    sorted_slot_ptr, row_expert_ptr, topk_w_ptr, partial_ptr, arrivals_ptr,
+    n_rows, limit, stride_ps,
     stride_am, stride_asm, stride_ask,
     stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
     stride_om, stride_osm, stride_osk,
@@ -155,15 +217,19 @@ def _grouped_gemm_kernel(
     GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     A_FP8: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_BF16: tl.constexpr, ACT_BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, PDL: tl.constexpr = False,
+    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     """out[rows, n-tile] of one expert: load tiles, block-scaled accumulate, epilogue, store.
 
     BLOCK_K = ACT_BLOCK for FP8 A (one activation scale per K step), 128 for bf16 A (one weight scale).
+    With SPLIT_K > 1, program (m, n, s) accumulates the s-th of SPLIT_K equal K slices; the tile's last
+    program to finish adds the slices' partial sums (`_sum_slices`) and runs the epilogue.
     """
     pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     weight = tl.zeros([BLOCK_M], dtype=tl.float32)
     # which expert, which rows are real, where their A rows are
@@ -197,7 +263,8 @@ def _grouped_gemm_kernel(
 
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_slice: tl.constexpr = K // SPLIT_K
+    for k0 in range(pid_k * k_slice, (pid_k + 1) * k_slice, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
         wg = tl.load(wg_ptrs + k0)
         sg = tl.load(sg_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
@@ -215,6 +282,19 @@ def _grouped_gemm_kernel(
                 acc_u += tl.dot(a, wu.to(tl.bfloat16)) * su[None, :]
 
     out_rows = rows.to(tl.int64)
+    if SPLIT_K > 1:
+        # gate partials in columns [0, N) of a [SPLIT_K, n_rows, 2N] fp32 workspace (slice stride stride_ps), up
+        # partials in [N, 2N); the down GEMM's in a [SPLIT_K, n_rows, N] one
+        width: tl.constexpr = 2 * N if SWIGLU else N
+        slices = partial_ptr + out_rows[:, None] * width + offs_n[None, :]
+        tl.store(slices + pid_k * stride_ps, acc_g, mask=valid[:, None])
+        if SWIGLU:
+            tl.store(slices + pid_k * stride_ps + N, acc_u, mask=valid[:, None])
+        if _arrive(arrivals_ptr + pid_m * tl.num_programs(1) + pid_n) < SPLIT_K - 1:
+            return  # another slice of this tile is still running: its program finishes the tile
+        acc_g = _sum_slices(slices, valid, stride_ps, BLOCK_M, BLOCK_N, SPLIT_K)
+        if SWIGLU:
+            acc_u = _sum_slices(slices + N, valid, stride_ps, BLOCK_M, BLOCK_N, SPLIT_K)
     out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :]
     if SWIGLU:
         act = _bf16(_swiglu(acc_g, acc_u, limit, weight, GATE_UP_BF16, HAS_WEIGHT))  # a -> bf16
@@ -271,19 +351,29 @@ def grouped_gemm(
     if n_rows == 0:
         return out, out_scale
     dummy = out
-    grid = (triton.cdiv(n_rows, config.block_m), n_out // config.block_n)
+    block_k = act_block if a_fp8 else FP8_WEIGHT_BLOCK
+    split = config.split_k
+    if split < 1 or k_dim % (split * block_k):
+        raise ValueError(f"config: split_k = {split} must divide the {k_dim // block_k} K blocks of {block_k}")
+    grid = (triton.cdiv(n_rows, config.block_m), n_out // config.block_n, split)
+    if split > 1:
+        # fp32 partial sums of each slice (gate and up side by side) and one arrival counter per output tile
+        partial = torch.empty((split, n_rows, 2 * n_out if swiglu else n_out), dtype=torch.float32, device=a.device)
+        arrivals = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=a.device)
+    else:
+        partial = arrivals = dummy
     _grouped_gemm_kernel[grid](
         a, a_scale if a_fp8 else dummy, w, w_scale, out, out_scale if out_fp8 else dummy,
         layout.sorted_slot if layout is not None else dummy, layout.row_expert if layout is not None else dummy,
-        topk_weights if topk_weights is not None else dummy,
-        n_rows, float(limit),
+        topk_weights if topk_weights is not None else dummy, partial, arrivals,
+        n_rows, float(limit), partial.stride(0) if split > 1 else 0,
         a.stride(0), a_scale.stride(0) if a_fp8 else 0, a_scale.stride(1) if a_fp8 else 0,
         w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
         out.stride(0), out_scale.stride(0) if out_fp8 else 0, out_scale.stride(1) if out_fp8 else 0,
         K=k_dim, N=n_out, TOPK=topk, GROUPED=layout is not None, GATHER=gather, SWIGLU=swiglu,
         HAS_WEIGHT=topk_weights is not None, A_FP8=a_fp8, OUT_FP8=out_fp8, GATE_UP_BF16=gate_up_bf16,
-        ACT_BLOCK=act_block, BLOCK_K=act_block if a_fp8 else FP8_WEIGHT_BLOCK, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, **fp8_constants(fmt),
+        ACT_BLOCK=act_block, BLOCK_K=block_k, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, **fp8_constants(fmt), SPLIT_K=split,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch(),
     )
@@ -363,7 +453,7 @@ def _gemm_signature(a: str) -> dict[str, str]:
     return {
         "a_ptr": a, "a_scale_ptr": "*fp32", "w_ptr": "*{fp8}", "w_scale_ptr": "*fp32", "out_ptr": "*{fp8}",
         "out_scale_ptr": "*fp32", "sorted_slot_ptr": "*i32", "row_expert_ptr": "*i32", "topk_w_ptr": "*fp32",
-        "n_rows": "i32", "limit": "fp32",
+        "partial_ptr": "*fp32", "arrivals_ptr": "*i32", "n_rows": "i32", "limit": "fp32", "stride_ps": "i32",
         **{k: "i32" for k in ("stride_am", "stride_asm", "stride_ask", "stride_we", "stride_wn", "stride_wse",
                               "stride_wsn", "stride_wsk", "stride_om", "stride_osm", "stride_osk")},
     }
@@ -381,7 +471,8 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
         name, _grouped_gemm_kernel, signature,
         {"K": k, "N": n, "TOPK": 6 if grouped else 1, "GROUPED": grouped, "GATHER": grouped and swiglu,
          "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "OUT_FP8": swiglu, "GATE_UP_BF16": True,
-         "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n},
+         "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+         "SPLIT_K": config.split_k},
         fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned, targets=targets,
     )
 
@@ -401,6 +492,16 @@ AOT_SPECS = [
     *_per_platform("moe_gate_up", "rows/expert=128", 128, 4096, 2048, True, True),
     *_per_platform("moe_down", "rows/expert=128", 128, 2048, 4096, False, True),
     *_per_platform("moe_shared_gate_up", "T=4096", 4096, 4096, 2048, True, False),
+    # the decode shared expert's split-K launches by NVIDIA's rule (8 and 4 slices), and AMD's decode tiles with the
+    # same slices, which AMD does not launch yet: they prove the arrival atomics and L1-bypassing loads lower there
+    _aot_gemm("moe_shared_gate_up[T=1,split=8,nvidia]",
+              split_k_for(choose_config(1, 2048, True), 1, 2048, 4096, 132, True), 4096, 2048, True, False,
+              targets=PLATFORM_TARGETS["nvidia"]),
+    _aot_gemm("moe_shared_gate_up[T=1,split=8,amd]",
+              dataclasses.replace(choose_config(1, 2048, True, platform="amd"), split_k=8), 4096, 2048, True, False,
+              targets=PLATFORM_TARGETS["amd"]),
+    _aot_gemm("moe_shared_down[T=1,split=4]", split_k_for(choose_config(1, 4096, False), 1, 4096, 2048, 132, False),
+              2048, 4096, False, False),
     *_per_platform("moe_gate_up", "rows/expert=128,act_block=32", 128, 4096, 2048, True, True, act_block=32),
     AotSpec(
         "moe_swiglu_quant", _swiglu_quant_kernel,

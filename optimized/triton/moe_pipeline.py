@@ -17,7 +17,8 @@ import torch
 
 from optimized.backends import detect
 from optimized.triton.aot import tile_platform
-from optimized.triton.moe_gemm import choose_config, grouped_gemm
+from optimized.triton.einsum import num_sms
+from optimized.triton.moe_gemm import choose_config, grouped_gemm, split_k_for
 from optimized.triton.moe_permute import MoeLayout, combine, permute
 from optimized.triton.moe_routing import router_logits, router_topk
 from optimized.triton.quant import quantize_per_token
@@ -77,6 +78,9 @@ def routed_rows(
                             platform=platform)
     down = choose_config(rows_per_expert, w2.data.shape[1], swiglu=False, interpret=interpret, platform=platform)
     layout = permute(topk_ids, n_experts, align=gate_up.block_m)
+    sms, k = num_sms(a.device), w13.data.shape[2]
+    gate_up = split_k_for(gate_up, layout.n_rows, w13.data.shape[1] // 2, k, sms, True, platform)
+    down = split_k_for(down, layout.n_rows, w2.data.shape[1], w2.data.shape[2], sms, False, platform)
     common = {"layout": layout, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
     h, h_scale = grouped_gemm(a, a_scale, w13.data, w13.scale, config=gate_up, swiglu=True, topk=topk, gather=True,
                               topk_weights=topk_weights.reshape(-1), limit=clamp_limit(swiglu_limit),
@@ -94,8 +98,11 @@ def shared_rows(
     limit = clamp_limit(swiglu_limit if numerics.shared_expert_clamp else 0.0)
     common = {"layout": None, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
     interpret, platform = detect().interpret, tile_platform()
-    gate_up = choose_config(n_tokens, w13.data.shape[0] // 2, swiglu=True, interpret=interpret, platform=platform)
-    down = choose_config(n_tokens, w2.data.shape[0], swiglu=False, interpret=interpret, platform=platform)
+    sms, n_inter = num_sms(a.device), w13.data.shape[0] // 2
+    gate_up = split_k_for(choose_config(n_tokens, n_inter, swiglu=True, interpret=interpret, platform=platform),
+                          n_tokens, n_inter, w13.data.shape[1], sms, True, platform)
+    down = split_k_for(choose_config(n_tokens, w2.data.shape[0], swiglu=False, interpret=interpret, platform=platform),
+                       n_tokens, w2.data.shape[0], w2.data.shape[1], sms, False, platform)
     h, h_scale = grouped_gemm(a, a_scale, w13.data[None], w13.scale[None], config=gate_up, swiglu=True, limit=limit,
                               gate_up_bf16=numerics.gate_up_bf16, **common)
     y, _ = grouped_gemm(h, h_scale, w2.data[None], w2.scale[None], config=down, swiglu=False, **common)
