@@ -10,8 +10,8 @@ kernel benchmark cannot: per backend, with `cu_seqlens` on the device and value 
 steps after `STEPS` warm ones, no L2 flush: the step is host-bound), the kernels launched and their summed GPU
 time, the host-device syncs and copies, and the costliest kernels (torch.profiler over one step). Each step
 continues the caches of `benchmarks.ops_attention` (filled to the benchmark's decode context). With `--prefill T`
-each step is instead the benchmark's prefill point (one fresh prompt of T tokens, no cache), in the device-metadata
-mode only, where the wall time is the GPU's. Writes `DIR/profile_attention.json`.
+each step is instead the benchmark's prefill point (one fresh prompt of T tokens, no cache: host `cu_seqlens`, value
+checks off), profiled once. Writes `DIR/profile_attention.json`.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def run(config: str, device: str, batch: int, backends: list[str], smoke: bool, 
     results: dict[str, Any] = {}
     steps = 1 if smoke else STEPS
     for backend in backends:
-        modes = MODES[:1] if prefill else MODES[1:] if smoke else MODES
+        modes = MODES[1:] if prefill or smoke else MODES
         for mode in modes:
             step = (prefill_step(ctx, env, backend, prefill) if prefill
                     else decode_step(ctx, env, backend, mode.startswith("host"), batch))

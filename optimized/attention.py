@@ -483,9 +483,12 @@ def compress_chunks(
             counts.append(0)
             continue
         state_rows = torch.cat((state.kv, state.score), dim=1)
-        run = torch.cat((state_rows[current:current + start % m], proj[bounds[b]:bounds[b + 1]]))
+        # the rows this chunk pools from, in one copy: [the previous complete block (overlap)], the open block's
+        # earlier tokens, the new tokens; `run` is the view from the open block on
+        pieces = (state_rows[current:current + start % m], proj[bounds[b]:bounds[b + 1]])
+        buffer = torch.cat((state_rows[:m], *pieces) if coff == 2 else pieces)
+        run = buffer[m:] if coff == 2 else buffer
         n_new = run.shape[0] // m
-        buffer = torch.cat((state_rows[:m], run)) if coff == 2 else run
         buffers.append(buffer)
         entry_rows.append(base + m * torch.arange(n_new, device=x.device))
         entry_ids.append(start // m + torch.arange(n_new, device=x.device))
@@ -504,7 +507,8 @@ def compress_chunks(
                             dtype=torch.uint8 if packed else torch.bfloat16, device=x.device)
         return [empty] * len(states)
     ids = torch.cat(entry_ids)
-    u = tc.pool(torch.cat(buffers), torch.cat(entry_rows).to(torch.int32), ratio=m, head_dim=d)
+    u = tc.pool(buffers[0] if len(buffers) == 1 else torch.cat(buffers), torch.cat(entry_rows).to(torch.int32),
+                ratio=m, head_dim=d)
     cos, sin = _cos_sin(ids * m, freqs)  # RoPE at the block's first position
     entries = _rope_quant(u, cos, sin, norm="weighted", norm_weight=weights.norm, eps=norm_eps,
                          round_input=numerics.compressed_norm_input == "bf16", **_finish_mode(rotate, numerics, packed))
