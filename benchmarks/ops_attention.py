@@ -334,8 +334,9 @@ def compress_point(ctx: AttentionContext, env: Env, tokens: int) -> Point:
 
 
 def attention_point(ctx: AttentionContext, env: Env, tokens: int) -> Point:
-    """Prefill: one fresh prompt of `tokens` tokens (host `cu_seqlens`, value checks off). Decode: `tokens` sequences, one new token each, continuing
-    caches filled (with random rows, entries, keys and compressor states) up to `decode_context` positions."""
+    """Prefill: one fresh prompt of `tokens` tokens (host `cu_seqlens`, value checks off). Decode: `tokens`
+    sequences, one new token each, continuing caches filled (with random rows, entries, keys and compressor
+    states) up to `decode_context` positions."""
     import optimized
     from optimized.backends import value_checks
 

@@ -53,6 +53,17 @@ GATHER_BLOCK_D = 512
 # Combine tiles: tokens x hidden dims per program (on the CPU interpreter: few, large programs).
 COMBINE_BLOCK_T = 8
 COMBINE_BLOCK_D = 512
+# Decode (at most DECODE_COMBINE_TOKENS tokens): one token and 256 dims per program, more programs with shorter
+# dependent load chains (H200, FLASH routed MoE, same-run A/B of launch shapes, outputs bitwise equal:
+# T = 1 70.8 -> 70.0 us, T = 8 309.1 -> 307.3 us; docs/h200/ab-moe-glue-launch.json).
+DECODE_COMBINE_TOKENS = 64
+DECODE_COMBINE_BLOCK_T = 1
+DECODE_COMBINE_BLOCK_D = 256
+# The one-chunk permute (at most CHUNK slots) ranks the slots padded to a power of two, at least
+# PERMUTE_MIN_CHUNK, with PERMUTE_WARPS warps: at T = 1 (6 slots) a 16-wide rank in 4 warps instead of a
+# 128-wide one in 8 (same A/B: 70.8 -> 69.5 us).
+PERMUTE_MIN_CHUNK = 16
+PERMUTE_WARPS = 4
 INTERPRET_COMBINE_BLOCK_T = 64
 
 
@@ -244,7 +255,8 @@ def permute(
         _permute_chunk_kernel[(1,)](
             ids, expert_start, expert_count, slot_row, rows if rows is not None else slot_row,
             n_slots, n_experts, n_rows, align, capacity,
-            CHUNK=CHUNK, E_PAD=e_pad, BLOCK_R=PERMUTE_BLOCK_R, WRITE_ROWS=write_rows, num_warps=8, **pdl_launch(),
+            CHUNK=max(PERMUTE_MIN_CHUNK, triton.next_power_of_2(n_slots)), E_PAD=e_pad, BLOCK_R=PERMUTE_BLOCK_R,
+            WRITE_ROWS=write_rows, num_warps=PERMUTE_WARPS, **pdl_launch(),
         )
         return MoeLayout(slot_row, rows[0] if rows is not None else None, rows[1] if rows is not None else None,
                          expert_start, expert_count, n_rows, align, capacity)
@@ -384,14 +396,18 @@ def combine(
     out = torch.empty((n_tokens, dim), dtype=torch.bfloat16, device=y.device)
     if n_tokens == 0:
         return out
-    block_t = INTERPRET_COMBINE_BLOCK_T if detect().interpret else COMBINE_BLOCK_T
-    grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(dim, COMBINE_BLOCK_D))
+    if detect().interpret:
+        block_t, block_d = INTERPRET_COMBINE_BLOCK_T, COMBINE_BLOCK_D
+    elif n_tokens <= DECODE_COMBINE_TOKENS:
+        block_t, block_d = DECODE_COMBINE_BLOCK_T, DECODE_COMBINE_BLOCK_D
+    else:
+        block_t, block_d = COMBINE_BLOCK_T, COMBINE_BLOCK_D
+    grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(dim, block_d))
     _combine_kernel[grid](
         y, layout.slot_row, topk_ids, shared if shared is not None else y, out,
         n_tokens, dim, y.stride(-2), shared.stride(0) if shared is not None else 0, out.stride(0),
         TOPK=topk, K_PAD=triton.next_power_of_2(topk), HAS_SHARED=shared is not None,
-        BLOCK_T=block_t, BLOCK_D=COMBINE_BLOCK_D,
-        **pdl_launch(),
+        BLOCK_T=block_t, BLOCK_D=block_d, **pdl_launch(),
     )
     return out
 
@@ -420,13 +436,13 @@ AOT_SPECS = [
         for e in (256, 384) for rows in (True, False)
     ),
     *(
-        AotSpec(f"moe_permute_chunk[E={e},rows={rows}]", _permute_chunk_kernel,
+        AotSpec(f"moe_permute_chunk[E={e},rows={rows},chunk={chunk}]", _permute_chunk_kernel,
                 {"ids_ptr": "*i32", "expert_start_ptr": "*i32", "expert_count_ptr": "*i32", "slot_row_ptr": "*i32",
                  "rows_ptr": "*i32", "n_slots": _I32, "n_experts": _I32, "n_rows": _I32, "align": _I32,
                  "capacity": _I32},
-                {"CHUNK": CHUNK, "E_PAD": triton.next_power_of_2(e), "BLOCK_R": PERMUTE_BLOCK_R, "WRITE_ROWS": rows},
-                num_warps=8, aligned=("ids_ptr", "slot_row_ptr", "rows_ptr"))
-        for e in (256, 384) for rows in (True, False)
+                {"CHUNK": chunk, "E_PAD": triton.next_power_of_2(e), "BLOCK_R": PERMUTE_BLOCK_R, "WRITE_ROWS": rows},
+                num_warps=PERMUTE_WARPS, aligned=("ids_ptr", "slot_row_ptr", "rows_ptr"))
+        for e in (256, 384) for rows in (True, False) for chunk in (PERMUTE_MIN_CHUNK, CHUNK)
     ),
     AotSpec("moe_gather_rows", _gather_rows_kernel,
             {"src_ptr": "*u8", "src_scale_ptr": "*fp32", "slot_row_ptr": "*i32", "dst_ptr": "*u8",
@@ -437,13 +453,14 @@ AOT_SPECS = [
             aligned=("src_ptr", "src_scale_ptr", "slot_row_ptr", "dst_ptr", "dst_scale_ptr", "stride_src",
                      "stride_dst")),
     *(
-        AotSpec(f"moe_combine[shared={shared}]", _combine_kernel,
+        AotSpec(f"moe_combine[shared={shared},block_t={block_t}]", _combine_kernel,
                 {"y_ptr": "*bf16", "slot_row_ptr": "*i32", "ids_ptr": "*i32", "shared_ptr": "*bf16",
                  "out_ptr": "*bf16", "n_tokens": _I32, "dim": _I32, "stride_y": _I32, "stride_shared": _I32,
                  "stride_out": _I32},
-                {"TOPK": 6, "K_PAD": 8, "HAS_SHARED": shared, "BLOCK_T": COMBINE_BLOCK_T, "BLOCK_D": COMBINE_BLOCK_D},
+                {"TOPK": 6, "K_PAD": 8, "HAS_SHARED": shared, "BLOCK_T": block_t, "BLOCK_D": block_d},
                 aligned=("y_ptr", "slot_row_ptr", "ids_ptr", "shared_ptr", "out_ptr", "stride_y", "stride_shared",
                          "stride_out"))
         for shared in (True, False)
+        for block_t, block_d in ((DECODE_COMBINE_BLOCK_T, DECODE_COMBINE_BLOCK_D), (COMBINE_BLOCK_T, COMBINE_BLOCK_D))
     ),
 ]

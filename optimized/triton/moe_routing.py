@@ -46,6 +46,12 @@ LOGITS_BLOCK_D = 128
 LOGITS_WARPS, LOGITS_STAGES = 4, 2
 # Tokens per top-k program (each holds a [BLOCK_T, next_pow2(E)] fp32 tile).
 TOPK_BLOCK_T = 4
+TOPK_WARPS = 4
+# Decode (at most DECODE_TOKENS tokens): one token per top-k program, one warp (its reductions stay inside the warp):
+# H200, FLASH routed MoE, same-run A/B, outputs bitwise equal: T = 1 70.8 -> 69.8 us, T = 8 309.1 -> 307.8 us,
+# T = 64 unchanged (docs/h200/ab-moe-glue-launch.json).
+DECODE_TOPK_BLOCK_T = 1
+DECODE_TOPK_WARPS = 1
 # On the CPU interpreter a program costs the same numpy calls whatever its size: few, large programs.
 INTERPRET_BLOCK_T = 64
 # Below this logit, softplus(l) = log1p(e^l) equals e^l to fp32 precision, and the score is computed as
@@ -223,7 +229,12 @@ def router_topk(
     weights = torch.empty((n_tokens, topk), dtype=torch.float32, device=logits.device)
     hashed = tid2eid is not None
     dummy = logits  # never read when the matching constexpr is off
-    block_t = INTERPRET_BLOCK_T if detect().interpret else TOPK_BLOCK_T
+    if detect().interpret:
+        block_t, warps = INTERPRET_BLOCK_T, TOPK_WARPS
+    elif n_tokens <= DECODE_TOKENS:
+        block_t, warps = DECODE_TOPK_BLOCK_T, DECODE_TOPK_WARPS
+    else:
+        block_t, warps = TOPK_BLOCK_T, TOPK_WARPS
     _router_topk_kernel[(triton.cdiv(n_tokens, block_t),)](
         logits, bias if bias is not None else dummy, token_ids if hashed else dummy,
         tid2eid if hashed else dummy, ids, weights,
@@ -231,7 +242,7 @@ def router_topk(
         logits.stride(0), logits.stride(1), tid2eid.stride(0) if hashed else 0,
         N_SPLIT=n_split, TOPK=topk, K_PAD=triton.next_power_of_2(topk), BLOCK_T=block_t,
         E_PAD=triton.next_power_of_2(n_experts), HAS_BIAS=bias is not None and not hashed, HASH=hashed,
-        **pdl_launch(),
+        num_warps=warps, **pdl_launch(),
     )
     return ids, weights
 
@@ -250,16 +261,17 @@ AOT_SPECS = [
     ),
     *(
         AotSpec(
-            f"router_topk[E={n_experts},hash={hashed}]", _router_topk_kernel,
+            f"router_topk[E={n_experts},hash={hashed},block_t={block_t}]", _router_topk_kernel,
             {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "token_ids_ptr": "*i64", "tid2eid_ptr": "*i64",
              "ids_ptr": "*i32", "weights_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
              "vocab_size": "i32", "route_scale": "fp32", "stride_ls": "i32", "stride_lt": "i32",
              "stride_hash": "i32"},
-            {"N_SPLIT": 1, "TOPK": 6, "K_PAD": 8, "BLOCK_T": TOPK_BLOCK_T, "E_PAD": triton.next_power_of_2(n_experts),
-             "HAS_BIAS": not hashed, "HASH": hashed},
+            {"N_SPLIT": 1, "TOPK": 6, "K_PAD": 8, "BLOCK_T": block_t, "E_PAD": triton.next_power_of_2(n_experts),
+             "HAS_BIAS": not hashed, "HASH": hashed}, num_warps=warps,
             aligned=("logits_ptr", "bias_ptr", "token_ids_ptr", "tid2eid_ptr", "ids_ptr", "weights_ptr", "stride_ls",
                      "stride_lt"),
         )
         for n_experts in (256, 384) for hashed in (False, True)
+        for block_t, warps in ((DECODE_TOPK_BLOCK_T, DECODE_TOPK_WARPS), (TOPK_BLOCK_T, TOPK_WARPS))
     ),
 ]
