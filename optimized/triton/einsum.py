@@ -6,9 +6,9 @@ by `sa[m, kb] * sb[n // GRAN_N, kb]` and added into the fp32 main accumulator �
 
 Two variants, picked by `choose_config` from the token count b:
   * full-K: one program per (h, M tile, N tile) runs the whole K loop and stores bf16 (or fp32).
-  * split-K (decode, b <= 64): at small b the op is a stream over the weight (FLASH: 33.5 MB, ~8 us of
-    HBM at b = 1), and one program per output tile gives h * d / BLOCK_N = 128 programs — fewer than
-    the GPU's SMs. Each program then runs a slice of K and writes fp32 partial sums to a workspace
+  * split-K (decode: b <= 32 on NVIDIA, b <= 64 elsewhere): at small b the op is a stream over the weight
+    (FLASH: 33.5 MB, ~8 us of HBM at b = 1), and one program per output tile gives h * d / BLOCK_N = 128
+    programs — fewer than the GPU's SMs. Each program then runs a slice of K and writes fp32 partial sums to a workspace
     [split, b, h, d]; a second kernel adds the slices in a fixed order. No atomics: results are
     bitwise reproducible run to run (they are not batch-invariant: tiles and splits depend on b).
 
@@ -82,21 +82,24 @@ class EinsumConfig:
 # 128 x 64 tiles with 4 stages took b = 4096 from 542 to 383 us with DeepGEMM's MN-major activation scales (the
 # sweep's input), and from 400 to 392 us in `python -m benchmarks` (row-major scales). Those 4 stages take 72 KB
 # of shared memory, over gfx942's 64 KB LDS: AMD keeps 128 x 128 with 3 stages (not measured: no ROCm GPU here).
-# NVIDIA from b = 65 on: TMA loads (H200, same-run A/B of 2026-12-04 against the pointer kernel at its tiles, outputs
-# bitwise equal; docs/h200/ab-tma-einsum.json): b = 128 23.4 -> 19.6 us with 64 x 64 tiles (256 programs); b = 4096
-# 386 -> 331 us and b = 8192 756 -> 650 us with 64 x 128 tiles and 4 stages. At b <= 64 (split-K) TMA was no faster
-# (b = 1: 16.1 us pointer, 16.9 TMA), so decode keeps pointer loads. Triton's automatic warp specialization
-# (`tl.range(warp_specialize=True)`) was slower or equal at every tile (docs/h200/ab-tma-ws.json).
+# NVIDIA from b = 65 on (from b = 33 since, below): TMA loads (H200, same-run A/B of 2026-12-04 against the pointer
+# kernel at its tiles, outputs bitwise equal; docs/h200/ab-tma-einsum.json): b = 128 23.4 -> 19.6 us with 64 x 64 tiles
+# (256 programs); b = 4096 386 -> 331 us and b = 8192 756 -> 650 us with 64 x 128 tiles and 4 stages. At b <= 32
+# (split-K) TMA was no faster (b = 1: 16.1 us pointer, 16.9 TMA), so decode keeps pointer loads. Triton's automatic warp
+# specialization (`tl.range(warp_specialize=True)`) was slower or equal at every tile (docs/h200/ab-tma-ws.json).
+# From b = 33 on NVIDIA takes the TMA tile of b <= 256 without split-K (H200, FLASH b = 64, same run: 21.4 us split
+# two ways with pointer loads, 18.4 us full-K through TMA, outputs bitwise equal; docs/h200/ab-einsum-b128.json,
+# which also has every other tile and split tried at b = 128: none beat the 64 x 64 TMA tile's 19.4 us).
 _DECODE_ROWS: tuple[tuple[int, EinsumConfig], ...] = (
     (16, EinsumConfig(16, 64, 1, 4, 4)),  # decode: smallest dot tile, weight streaming
     (32, EinsumConfig(32, 64, 1, 4, 4)),
-    (64, EinsumConfig(64, 64, 1, 4, 3)),
 )
 TILE_TABLE: dict[str, tuple[tuple[int, EinsumConfig], ...]] = {
     "nvidia": (*_DECODE_ROWS,
                (256, EinsumConfig(64, 64, 1, 4, 4, tma=True)),  # 2 * h * d / 64 programs (256 on FLASH)
                (1 << 62, EinsumConfig(64, 128, 1, 4, 4, tma=True))),  # compute-bound: TMA-fed pipeline
     "amd": (*_DECODE_ROWS,
+            (64, EinsumConfig(64, 64, 1, 4, 3)),
             (256, EinsumConfig(128, 64, 1, 8, 3)),  # one wave of h * d / 64 programs (128 on FLASH)
             (1 << 62, EinsumConfig(128, 128, 1, 8, 3))),  # compute-bound: large tiles, A reuse
 }
@@ -118,7 +121,8 @@ def num_sms(device: torch.device) -> int:
 def choose_config(b: int, h: int, d: int, k_blocks: int, sms: int, platform: str = "nvidia") -> EinsumConfig:
     """The platform's `TILE_TABLE` (by token count b) and the split-K rule (cached: a pure function of sizes).
 
-    Split-K (b <= MAX_SPLIT_K_TOKENS only, and only where the table row says split_k = 1): when the full-K
+    Split-K (b <= MAX_SPLIT_K_TOKENS only, and only where the table row says split_k = 1 and loads through
+    pointers: the TMA rows measured faster whole, see `_DECODE_ROWS`): when the full-K
     grid has fewer than PROGRAMS_PER_SM * sms programs, K is cut into enough equal slices to reach that (the
     smallest divisor of the number of 128-wide K blocks that does, with at least MIN_K_BLOCKS_PER_SPLIT blocks
     per slice). FLASH b = 1: 128 tiles -> 4 slices of 8 K blocks -> 512 programs. A row with split_k > 1 sets
@@ -131,7 +135,7 @@ def choose_config(b: int, h: int, d: int, k_blocks: int, sms: int, platform: str
         return dataclasses.replace(config, split_k=split)
     tiles = h * cdiv(b, config.block_m) * cdiv(d, config.block_n)
     target = PROGRAMS_PER_SM * sms
-    if b <= MAX_SPLIT_K_TOKENS and tiles < target:
+    if b <= MAX_SPLIT_K_TOKENS and tiles < target and not config.tma:
         wanted = cdiv(target, tiles)
         split = next((s for s in divisors if s >= wanted), divisors[-1])
         config = dataclasses.replace(config, split_k=split)
@@ -393,11 +397,13 @@ def _einsum_spec(config: EinsumConfig, out: str, targets: tuple[str, ...] = ALL_
     )
 
 
-# The launch configurations of `choose_config` at the DSv4 shape (r = 4096): decode split-K at the three
-# decode tiles (fp32 workspace) on every target; b = 128 and prefill full-K (bf16 out) with each platform's tiles
-# on its targets (TMA descriptors on sm_90); the split-K reduction.
+# The launch configurations of `choose_config` at the DSv4 shape (r = 4096): decode split-K at the decode tiles
+# (fp32 workspace) on every target, and AMD's b <= 64 tile on its targets; b = 128 (NVIDIA's tile from b = 33 on)
+# and prefill full-K (bf16 out) with each platform's tiles on its targets (TMA descriptors on sm_90); the split-K
+# reduction.
 AOT_SPECS = [
-    *(_einsum_spec(choose_config(b, 8, 1024, 32, DEFAULT_NUM_SMS), "fp32") for b in (1, 32, 64)),
+    *(_einsum_spec(choose_config(b, 8, 1024, 32, DEFAULT_NUM_SMS), "fp32") for b in (1, 32)),
+    _einsum_spec(choose_config(64, 8, 1024, 32, DEFAULT_NUM_SMS, "amd"), "fp32", PLATFORM_TARGETS["amd"]),
     *(_einsum_spec(choose_config(b, 8, 1024, 32, DEFAULT_NUM_SMS, platform), "bf16", targets)
       for b in (128, 4096) for platform, targets in PLATFORM_TARGETS.items()),
     AotSpec(
