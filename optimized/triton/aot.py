@@ -17,9 +17,11 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from optimized.triton._fp8 import fp8_constants
+
+T = TypeVar("T")
 
 # Modules that define AOT_SPECS. Add yours here.
 KERNEL_MODULES: tuple[str, ...] = ("optimized.triton.quant", "optimized.triton.einsum", "optimized.triton.moe_routing",
@@ -81,6 +83,16 @@ def tile_platform() -> str:
     from optimized.backends import detect
 
     return "amd" if detect().device == "rocm" else "nvidia"
+
+
+def by_token_count(n_tokens: int, decode_max: int, *, interpret: T, decode: T, prefill: T) -> T:
+    """A launch shape by token count: the CPU interpreter's (few, large programs: it pays per operation), the decode
+    shape up to `decode_max` tokens, else the prefill shape."""
+    from optimized.backends import detect
+
+    if detect().interpret:
+        return interpret
+    return decode if n_tokens <= decode_max else prefill
 
 
 def all_specs() -> list[AotSpec]:

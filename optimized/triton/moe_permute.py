@@ -34,10 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from optimized.backends import detect
 from optimized.triton._fp8 import prepare_interpreter
 from optimized.triton._pdl import pdl_launch, pdl_wait
-from optimized.triton.aot import AotSpec
+from optimized.triton.aot import AotSpec, by_token_count
 
 SKIPPED = tl.constexpr(-1)
 OVERFLOW = tl.constexpr(-2)
@@ -396,12 +395,10 @@ def combine(
     out = torch.empty((n_tokens, dim), dtype=torch.bfloat16, device=y.device)
     if n_tokens == 0:
         return out
-    if detect().interpret:
-        block_t, block_d = INTERPRET_COMBINE_BLOCK_T, COMBINE_BLOCK_D
-    elif n_tokens <= DECODE_COMBINE_TOKENS:
-        block_t, block_d = DECODE_COMBINE_BLOCK_T, DECODE_COMBINE_BLOCK_D
-    else:
-        block_t, block_d = COMBINE_BLOCK_T, COMBINE_BLOCK_D
+    block_t, block_d = by_token_count(n_tokens, DECODE_COMBINE_TOKENS,
+                                      interpret=(INTERPRET_COMBINE_BLOCK_T, COMBINE_BLOCK_D),
+                                      decode=(DECODE_COMBINE_BLOCK_T, DECODE_COMBINE_BLOCK_D),
+                                      prefill=(COMBINE_BLOCK_T, COMBINE_BLOCK_D))
     grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(dim, block_d))
     _combine_kernel[grid](
         y, layout.slot_row, topk_ids, shared if shared is not None else y, out,

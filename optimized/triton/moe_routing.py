@@ -24,7 +24,7 @@ import triton.language as tl
 from optimized.backends import detect
 from optimized.triton._fp8 import prepare_interpreter
 from optimized.triton._pdl import pdl_launch, pdl_wait
-from optimized.triton.aot import AotSpec
+from optimized.triton.aot import AotSpec, by_token_count
 
 # Logits GEMM tiles. The hidden-dim split and the K steps are the same at every token count, so that a token's
 # logits do not depend on the batch it is in (batch invariance, `parity_tests.invariance`: the H200 run of
@@ -229,12 +229,8 @@ def router_topk(
     weights = torch.empty((n_tokens, topk), dtype=torch.float32, device=logits.device)
     hashed = tid2eid is not None
     dummy = logits  # never read when the matching constexpr is off
-    if detect().interpret:
-        block_t, warps = INTERPRET_BLOCK_T, TOPK_WARPS
-    elif n_tokens <= DECODE_TOKENS:
-        block_t, warps = DECODE_TOPK_BLOCK_T, DECODE_TOPK_WARPS
-    else:
-        block_t, warps = TOPK_BLOCK_T, TOPK_WARPS
+    block_t, warps = by_token_count(n_tokens, DECODE_TOKENS, interpret=(INTERPRET_BLOCK_T, TOPK_WARPS),
+                                    decode=(DECODE_TOPK_BLOCK_T, DECODE_TOPK_WARPS), prefill=(TOPK_BLOCK_T, TOPK_WARPS))
     _router_topk_kernel[(triton.cdiv(n_tokens, block_t),)](
         logits, bias if bias is not None else dummy, token_ids if hashed else dummy,
         tid2eid if hashed else dummy, ids, weights,
