@@ -59,10 +59,15 @@ DECODE_COMBINE_TOKENS = 64
 DECODE_COMBINE_BLOCK_T = 1
 DECODE_COMBINE_BLOCK_D = 256
 # The one-chunk permute (at most CHUNK slots) ranks the slots padded to a power of two, at least
-# PERMUTE_MIN_CHUNK, with PERMUTE_WARPS warps: at T = 1 (6 slots) a 16-wide rank in 4 warps instead of a
-# 128-wide one in 8 (same A/B: 70.8 -> 69.5 us).
+# PERMUTE_MIN_CHUNK: at T = 1 (6 slots) a 16-wide rank in 4 warps instead of a 128-wide one in 8 (same A/B:
+# 70.8 -> 69.5 us). Chunks up to 64 take 4 warps; 128 keeps 8 (4 warps there spill on gfx942, the AOT check, and
+# measured slower on the H200: 72.7 us).
 PERMUTE_MIN_CHUNK = 16
-PERMUTE_WARPS = 4
+PERMUTE_SMALL_CHUNK_WARPS = 4
+
+
+def _permute_warps(chunk: int) -> int:
+    return PERMUTE_SMALL_CHUNK_WARPS if chunk < CHUNK else 8
 INTERPRET_COMBINE_BLOCK_T = 64
 
 
@@ -251,11 +256,12 @@ def permute(
     slot_row = torch.empty(n_slots, dtype=torch.int32, device=device)
     if n_chunks == 1:
         rows = torch.empty((2, n_rows), dtype=torch.int32, device=device) if write_rows else None
+        chunk = max(PERMUTE_MIN_CHUNK, triton.next_power_of_2(n_slots))
         _permute_chunk_kernel[(1,)](
             ids, expert_start, expert_count, slot_row, rows if rows is not None else slot_row,
             n_slots, n_experts, n_rows, align, capacity,
-            CHUNK=max(PERMUTE_MIN_CHUNK, triton.next_power_of_2(n_slots)), E_PAD=e_pad, BLOCK_R=PERMUTE_BLOCK_R,
-            WRITE_ROWS=write_rows, num_warps=PERMUTE_WARPS, **pdl_launch(),
+            CHUNK=chunk, E_PAD=e_pad, BLOCK_R=PERMUTE_BLOCK_R, WRITE_ROWS=write_rows, num_warps=_permute_warps(chunk),
+            **pdl_launch(),
         )
         return MoeLayout(slot_row, rows[0] if rows is not None else None, rows[1] if rows is not None else None,
                          expert_start, expert_count, n_rows, align, capacity)
@@ -438,8 +444,8 @@ AOT_SPECS = [
                  "rows_ptr": "*i32", "n_slots": _I32, "n_experts": _I32, "n_rows": _I32, "align": _I32,
                  "capacity": _I32},
                 {"CHUNK": chunk, "E_PAD": triton.next_power_of_2(e), "BLOCK_R": PERMUTE_BLOCK_R, "WRITE_ROWS": rows},
-                num_warps=PERMUTE_WARPS, aligned=("ids_ptr", "slot_row_ptr", "rows_ptr"))
-        for e in (256, 384) for rows in (True, False) for chunk in (PERMUTE_MIN_CHUNK, CHUNK)
+                num_warps=_permute_warps(chunk), aligned=("ids_ptr", "slot_row_ptr", "rows_ptr"))
+        for e in (256, 384) for rows in (True, False) for chunk in (PERMUTE_MIN_CHUNK, CHUNK // 2, CHUNK)
     ),
     AotSpec("moe_gather_rows", _gather_rows_kernel,
             {"src_ptr": "*u8", "src_scale_ptr": "*fp32", "slot_row_ptr": "*i32", "dst_ptr": "*u8",
