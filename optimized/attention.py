@@ -262,7 +262,10 @@ def _rope_quant(*args: object, **kwargs: object) -> torch.Tensor:
     return rope_quant(*args, **kwargs)
 
 
-def _cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 32] fp32 of `_cos_sin`
+
+
+def _cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> RopeTables:
     """The reference's cos / sin tables (`rope.rope_cos_sin`), contiguous for the kernel."""
     cos, sin = rope_cos_sin(positions, freqs)
     return cos.contiguous(), sin.contiguous()
@@ -270,23 +273,24 @@ def _cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor
 
 def _project_q(
     backend: str, x: torch.Tensor, w: AttentionWeights, cfg: DSv4Config, positions: torch.Tensor,
-    freqs: torch.Tensor, numerics: Numerics,
+    freqs: torch.Tensor, numerics: Numerics, *, rope: RopeTables | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope`: the tables `_cos_sin(positions, freqs)` where the caller has them (the layer computes them once)."""
     # the latent's RMSNorm (weighted, fp32) is the reference's own: a few elementwise ops on [T, q_lora]
     c_q = rms_norm(fp8_linear(x, w.wq_a, numerics, backend=backend), w.q_norm, cfg.norm_eps)
     q = fp8_linear(c_q, w.wq_b, numerics, backend=backend)
-    cos, sin = _cos_sin(positions, freqs)
+    cos, sin = rope or _cos_sin(positions, freqs)
     q = _rope_quant(q.view(-1, HEAD_DIM), cos, sin, norm="head_bf16", eps=cfg.norm_eps)
     return q.view(x.shape[0], cfg.n_heads, HEAD_DIM), c_q
 
 
 def _project_kv(
     backend: str, x: torch.Tensor, w: AttentionWeights, cfg: DSv4Config, positions: torch.Tensor,
-    freqs: torch.Tensor, numerics: Numerics, *, packed: bool = False,
+    freqs: torch.Tensor, numerics: Numerics, *, packed: bool = False, rope: RopeTables | None = None,
 ) -> torch.Tensor:
     """[T, 512] bf16 rows, or with `packed` (needs `numerics.kv_fp8_sim`) the [T, 584] uint8 FP8 cache rows."""
     kv = fp8_linear(x, w.wkv, numerics, backend=backend)
-    cos, sin = _cos_sin(positions, freqs)
+    cos, sin = rope or _cos_sin(positions, freqs)
     quant = "packed" if packed else ("fp8" if numerics.kv_fp8_sim else "none")
     return _rope_quant(kv, cos, sin, norm="weighted", norm_weight=w.kv_norm, eps=cfg.norm_eps, quant=quant,
                       fmt=numerics.fp8_format)
@@ -294,10 +298,10 @@ def _project_kv(
 
 def _indexer_q(
     backend: str, c_q: torch.Tensor, x: torch.Tensor, w: IndexerWeights, positions: torch.Tensor,
-    freqs: torch.Tensor, numerics: Numerics,
+    freqs: torch.Tensor, numerics: Numerics, *, rope: RopeTables | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q = fp8_linear(c_q, w.wq_b, numerics, backend=backend)
-    cos, sin = _cos_sin(positions, freqs)
+    cos, sin = rope or _cos_sin(positions, freqs)
     q = _rope_quant(q.view(-1, w.head_dim), cos, sin, norm="none", hadamard=numerics.indexer_hadamard,
                    quant="fp4" if numerics.indexer_fp4_sim else "none")
     # the per-head weights: a bf16 linear (fp32 accumulation, bf16 out, as the reference's), then the scale
@@ -780,8 +784,10 @@ class Attention(nn.Module):
         if check:
             check_continuation(positions, bounds, cache.sequences)
 
-        q, c_q = _project_q(backend, x, w, cfg, positions, self.freqs, numerics)
-        kv = _project_kv(backend, x, w, cfg, positions, self.freqs, numerics, packed=packed)
+        # the RoPE tables of the new tokens, shared by the queries, the KV rows and the indexer queries
+        rope = _cos_sin(positions, self.freqs)
+        q, c_q = _project_q(backend, x, w, cfg, positions, self.freqs, numerics, rope=rope)
+        kv = _project_kv(backend, x, w, cfg, positions, self.freqs, numerics, packed=packed, rope=rope)
         seqs = cache.sequences
         if self.ratio:
             new = compress_chunks(x, positions, bounds, [s.compressor for s in seqs], w.compressor, freqs=self.freqs,
@@ -791,7 +797,7 @@ class Attention(nn.Module):
                 if entries.shape[0]:
                     seq.compressed = torch.cat((seq.compressed, entries))
         if self.kind == "csa":
-            selection = self._indexer_selection(x, c_q, positions, bounds, seqs)
+            selection = self._indexer_selection(x, c_q, positions, bounds, seqs, rope)
         elif self.kind == "hca":
             width = max((s.compressed.shape[0] for s in seqs), default=0)
             selection = visible_entries(positions, self.ratio, width)
@@ -823,12 +829,12 @@ class Attention(nn.Module):
         return q, pool, indices
 
     def _indexer_selection(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor, bounds: list[int],
-                           seqs: list[SequenceCache]) -> torch.Tensor:
+                           seqs: list[SequenceCache], rope: RopeTables) -> torch.Tensor:
         """CSA: index keys of the new tokens into the cache, then each token's top-k visible entries."""
         from optimized.triton import indexer as ti
 
         cfg, w, numerics = self.cfg, self.weights.indexer, self.numerics
-        q_idx, head_weights = _indexer_q(self.backend, c_q, x, w, positions, self.freqs, numerics)
+        q_idx, head_weights = _indexer_q(self.backend, c_q, x, w, positions, self.freqs, numerics, rope=rope)
         new = compress_chunks(x, positions, bounds, [s.indexer_compressor for s in seqs], w.compressor,
                               freqs=self.freqs, numerics=numerics, rotate="indexer", norm_eps=cfg.norm_eps,
                               w_cat=self._w_cat_indexer)
