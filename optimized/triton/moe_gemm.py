@@ -20,6 +20,12 @@ gate/up -> bf16 (`gate_up_bf16`), g = min(gate, L), u = clamp(up, -L, L), a = si
 a *= routing weight, a -> bf16, per-`act_block` UE8M0 FP8 quantization -> the down GEMM's A operand and
 its scales, written directly. Down GEMM (`swiglu=False`): bf16 output rows.
 
+Split-K (`GemmConfig.split_k`, chosen by `split_k_for`: the decode shared expert, whose 16 gate/up tiles would
+leave most SMs idle): program (m, n, s) runs the s-th of the equal K slices and stores its fp32 partial sums; the
+tile's last program to arrive (an acquire-release counter, `_arrive`) adds the slices in slice order and runs the
+epilogue above. No program waits for another, and the order of the sum is fixed: run to run bitwise. Against the
+whole K loop only the fp32 sum is regrouped (slice sums, then their sum).
+
 `swiglu_quant` is the same epilogue as a kernel of its own, for DeepGEMM's grouped GEMMs (which write
 gate/up as bf16): it reads gate/up rows, writes FP8 rows and scales in DeepGEMM's MN-major layout.
 

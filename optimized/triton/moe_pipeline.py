@@ -5,7 +5,8 @@
     experts:  act_quant(x) once per token -> permute -> gate/up GEMM (gathers token rows; SwiGLU, clamp,
               routing weight and the FP8 quantization in its epilogue) -> down GEMM -> combine
     moe:      route -> experts' rows + the shared expert (the same two GEMMs, ungrouped, on the same
-              quantized x) -> combine (the shared output added in fp32 before the one bf16 cast)
+              quantized x; at decode split over K, `moe_gemm.split_k_for`) -> combine (the shared output added
+              in fp32 before the one bf16 cast)
 
 Inputs are validated by `optimized.moe` (the public API) before these run; every function here
 returns without launching a kernel when T = 0.
