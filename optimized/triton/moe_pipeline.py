@@ -19,7 +19,7 @@ import torch
 from optimized.backends import detect
 from optimized.triton.aot import tile_platform
 from optimized.triton.einsum import num_sms
-from optimized.triton.moe_gemm import choose_config, grouped_gemm, split_k_for
+from optimized.triton.moe_gemm import GemmConfig, choose_config, grouped_gemm, split_k_for
 from optimized.triton.moe_permute import MoeLayout, combine, permute
 from optimized.triton.moe_routing import router_logits, router_topk
 from optimized.triton.quant import quantize_per_token
@@ -56,6 +56,21 @@ def activation(x: torch.Tensor, numerics: Numerics, scale_layout: str = "row_maj
     return quantize_per_token(x, numerics.act_block, numerics.fp8_format, scale_layout=scale_layout)
 
 
+def _tiles(rows_per_expert: float, w13: torch.Tensor, w2: torch.Tensor) -> tuple[GemmConfig, GemmConfig]:
+    """The gate/up and down GEMMs' tiles (`choose_config`) for weights [.., 2I, D] and [.., D, I]."""
+    interpret, platform = detect().interpret, tile_platform()
+    return (choose_config(rows_per_expert, w13.shape[-2] // 2, swiglu=True, interpret=interpret, platform=platform),
+            choose_config(rows_per_expert, w2.shape[-2], swiglu=False, interpret=interpret, platform=platform))
+
+
+def _split_k(gate_up: GemmConfig, down: GemmConfig, n_rows: int, w13: torch.Tensor, w2: torch.Tensor,
+             device: torch.device) -> tuple[GemmConfig, GemmConfig]:
+    """Both tiles with `split_k_for`'s K split for a grid of `n_rows` rows."""
+    platform, sms = tile_platform(), num_sms(device)
+    return (split_k_for(gate_up, n_rows, w13.shape[-2] // 2, w13.shape[-1], sms, True, platform),
+            split_k_for(down, n_rows, w2.shape[-2], w2.shape[-1], sms, False, platform))
+
+
 def routed_rows(
     a: torch.Tensor, a_scale: torch.Tensor | None, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: Fp8Weight, w2: Fp8Weight, *, swiglu_limit: float, numerics: Numerics,
@@ -74,14 +89,9 @@ def routed_rows(
     n_experts = w13.data.shape[0]
     n_slots = n_tokens * topk
     rows_per_expert = n_slots / max(min(n_experts, n_slots), 1)
-    interpret, platform = detect().interpret, tile_platform()
-    gate_up = choose_config(rows_per_expert, w13.data.shape[1] // 2, swiglu=True, interpret=interpret,
-                            platform=platform)
-    down = choose_config(rows_per_expert, w2.data.shape[1], swiglu=False, interpret=interpret, platform=platform)
+    gate_up, down = _tiles(rows_per_expert, w13.data, w2.data)
     layout = permute(topk_ids, n_experts, align=gate_up.block_m)
-    sms, k = num_sms(a.device), w13.data.shape[2]
-    gate_up = split_k_for(gate_up, layout.n_rows, w13.data.shape[1] // 2, k, sms, True, platform)
-    down = split_k_for(down, layout.n_rows, w2.data.shape[1], w2.data.shape[2], sms, False, platform)
+    gate_up, down = _split_k(gate_up, down, layout.n_rows, w13.data, w2.data, a.device)
     common = {"layout": layout, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
     h, h_scale = grouped_gemm(a, a_scale, w13.data, w13.scale, config=gate_up, swiglu=True, topk=topk, gather=True,
                               topk_weights=topk_weights.reshape(-1), limit=clamp_limit(swiglu_limit),
@@ -98,12 +108,7 @@ def shared_rows(
     n_tokens = a.shape[0]
     limit = clamp_limit(swiglu_limit if numerics.shared_expert_clamp else 0.0)
     common = {"layout": None, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
-    interpret, platform = detect().interpret, tile_platform()
-    sms, n_inter = num_sms(a.device), w13.data.shape[0] // 2
-    gate_up = split_k_for(choose_config(n_tokens, n_inter, swiglu=True, interpret=interpret, platform=platform),
-                          n_tokens, n_inter, w13.data.shape[1], sms, True, platform)
-    down = split_k_for(choose_config(n_tokens, w2.data.shape[0], swiglu=False, interpret=interpret, platform=platform),
-                       n_tokens, w2.data.shape[0], w2.data.shape[1], sms, False, platform)
+    gate_up, down = _split_k(*_tiles(n_tokens, w13.data, w2.data), n_tokens, w13.data, w2.data, a.device)
     h, h_scale = grouped_gemm(a, a_scale, w13.data[None], w13.scale[None], config=gate_up, swiglu=True, limit=limit,
                               gate_up_bf16=numerics.gate_up_bf16, **common)
     y, _ = grouped_gemm(h, h_scale, w2.data[None], w2.scale[None], config=down, swiglu=False, **common)
