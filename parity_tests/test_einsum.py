@@ -392,6 +392,9 @@ def test_split_k_fills_the_gpu_at_decode_and_slices_k_evenly() -> None:
             assert c.tma and c.split_k == 1, (h, b, c)
         for b in (128, 4096, 8192):
             assert choose_config(b, h, 1024, 32, DEFAULT_NUM_SMS, "amd").split_k == 1
+        # NVIDIA: the 64 x 64 tile up to b = 128, the 64 x 128 prefill tile from b = 129 (ab-einsum-mid-b.json)
+        assert (choose_config(128, h, 1024, 32, DEFAULT_NUM_SMS, "nvidia").block_n,
+                choose_config(129, h, 1024, 32, DEFAULT_NUM_SMS, "nvidia").block_n) == (64, 128)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -87,17 +87,21 @@ class EinsumConfig:
 # (256 programs); b = 4096 386 -> 331 us and b = 8192 756 -> 650 us with 64 x 128 tiles and 4 stages. At b <= 32
 # (split-K) TMA was no faster (b = 1: 16.1 us pointer, 16.9 TMA), so decode keeps pointer loads. Triton's automatic warp
 # specialization (`tl.range(warp_specialize=True)`) was slower or equal at every tile (docs/h200/ab-tma-ws.json).
-# From b = 33 on NVIDIA takes the TMA tile of b <= 256 without split-K (H200, FLASH b = 64, same run: 21.4 us split
+# From b = 33 on NVIDIA takes the 64 x 64 TMA tile without split-K (H200, FLASH b = 64, same run: 21.4 us split
 # two ways with pointer loads, 18.4 us full-K through TMA, outputs bitwise equal; docs/h200/ab-einsum-b128.json,
 # which also has every other tile and split tried at b = 128: none beat the 64 x 64 TMA tile's 19.4 us).
+# From b = 129 on NVIDIA takes the prefill tile, 64 x 128 (H200, FLASH, same run, outputs bitwise equal;
+# docs/h200/ab-einsum-mid-b.json, attention-output operands with row-major scales): b = 160 30.7 -> 23.3 us,
+# b = 200 45.4 -> 26.3 us, b = 256 42.2 -> 24.1 us against the 64 x 64 tile, which stays at b <= 128 (19.7 against
+# 20.2 us there).
 _DECODE_ROWS: tuple[tuple[int, EinsumConfig], ...] = (
     (16, EinsumConfig(16, 64, 1, 4, 4)),  # decode: smallest dot tile, weight streaming
     (32, EinsumConfig(32, 64, 1, 4, 4)),
 )
 TILE_TABLE: dict[str, tuple[tuple[int, EinsumConfig], ...]] = {
     "nvidia": (*_DECODE_ROWS,
-               (256, EinsumConfig(64, 64, 1, 4, 4, tma=True)),  # 2 * h * d / 64 programs (256 on FLASH)
-               (1 << 62, EinsumConfig(64, 128, 1, 4, 4, tma=True))),  # compute-bound: TMA-fed pipeline
+               (128, EinsumConfig(64, 64, 1, 4, 4, tma=True)),  # 2 * h * d / 64 programs (256 on FLASH)
+               (1 << 62, EinsumConfig(64, 128, 1, 4, 4, tma=True))),  # from b = 129: TMA-fed pipeline
     "amd": (*_DECODE_ROWS,
             (64, EinsumConfig(64, 64, 1, 4, 3)),
             (256, EinsumConfig(128, 64, 1, 8, 3)),  # one wave of h * d / 64 programs (128 on FLASH)
