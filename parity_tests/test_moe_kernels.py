@@ -125,6 +125,28 @@ def test_router_logits_of_a_token_do_not_depend_on_the_batch_tiles() -> None:
         _assert_bitwise(int((alone[:, 0] != batch[:, t]).sum()), f"token {t}: logits alone vs in a prefill batch")
 
 
+@any_triton
+def test_router_logits_in_256_wide_dot_steps_equal_128_wide_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`logits_step`: 256-wide K steps where they divide a split (FLASH 4096 / 8 = 512), else 128 (PRO's 896). On the
+    GPU each step adds its dot into one fp32 accumulator in k order, so the bits equal 128-wide steps; the CPU
+    interpreter's numpy dot may sum a 256-wide step in another order, so there the logits stay within the fp32 bound."""
+    from optimized.triton import moe_routing
+    from optimized.triton.moe_routing import logits_step, router_logits
+
+    assert (logits_step(512), logits_step(896), logits_step(256), logits_step(128)) == (256, 128, 256, 128)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, gate = _x(5).to(device), _weights().gate.to(device)  # D = 256: one 256-wide step against two 128-wide ones
+    for n_split in (1, 2):
+        wide = router_logits(x, gate, n_split=n_split)
+        monkeypatch.setattr(moe_routing, "LOGITS_STEP_D", 128)
+        narrow = router_logits(x, gate, n_split=n_split)
+        monkeypatch.setattr(moe_routing, "LOGITS_STEP_D", 256)
+        if device == "cuda":
+            _assert_bitwise(int((wide != narrow).sum()), f"n_split={n_split}: 256- vs 128-wide steps")
+        else:
+            assert max_abs_error(wide, narrow) <= ROUTER_LOGIT_ERROR
+
+
 @needs_triton
 @pytest.mark.parametrize("layer", [TOPK_LAYER, HASH_LAYER], ids=["topk", "hash"])
 def test_route_matches_the_reference_and_a_nan_token_keeps_valid_ids(layer: int) -> None:

@@ -42,7 +42,13 @@ LOGITS_SPLITS = 8
 LOGITS_BLOCK_E = 128
 DECODE_BLOCK_E = 16
 DECODE_TOKENS = 64
-LOGITS_BLOCK_D = 128
+LOGITS_BLOCK_D = 128  # the hidden-dim split's granularity
+# K of one dot step where it divides a split's hidden dims (FLASH: 512 / 256; PRO's 896 keeps 128). Every step adds
+# its dot into the same fp32 accumulator in k order, so the logits are the same bits as with 128-wide steps (H200,
+# FLASH, T = 1, 8, 64, 100, and a token alone against the same token at T = 100: bitwise equal); router logits 7.7 ->
+# 7.0 us at T = 1 and 9.6 -> 8.9 us at T = 100 (docs/h200/ab-router-logits-block-d.json; 512-wide steps were slower
+# from T = 100 on).
+LOGITS_STEP_D = 256
 LOGITS_WARPS, LOGITS_STAGES = 4, 2
 # Tokens per top-k program (each holds a [BLOCK_T, next_pow2(E)] fp32 tile).
 TOPK_BLOCK_T = 4
@@ -170,6 +176,11 @@ def _router_topk_kernel(
     tl.store(weights_ptr + out, weight, mask=store_ok)
 
 
+def logits_step(d_per_split: int) -> int:
+    """K of one dot step of the logits kernel for a split of `d_per_split` hidden dims."""
+    return LOGITS_STEP_D if d_per_split % LOGITS_STEP_D == 0 else LOGITS_BLOCK_D
+
+
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | None = None) -> torch.Tensor:
     """Partial fp32 router logits.
 
@@ -199,7 +210,7 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | Non
     _router_logits_kernel[(t_blocks, e_blocks, n_split)](
         x, gate_weight, out, n_tokens, n_experts,
         x.stride(0), gate_weight.stride(0), out.stride(0), out.stride(1),
-        D_PER_SPLIT=dim // n_split, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=LOGITS_BLOCK_D,
+        D_PER_SPLIT=dim // n_split, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=logits_step(dim // n_split),
         num_warps=LOGITS_WARPS, num_stages=LOGITS_STAGES,
         **pdl_launch(),
     )
@@ -249,7 +260,8 @@ AOT_SPECS = [
             f"router_logits[BLOCK_E={block_e},split={split}]", _router_logits_kernel,
             {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
              "stride_xt": "i32", "stride_we": "i32", "stride_os": "i32", "stride_ot": "i32"},
-            {"D_PER_SPLIT": 4096 // split, "BLOCK_T": LOGITS_BLOCK_T, "BLOCK_E": block_e, "BLOCK_D": LOGITS_BLOCK_D},
+            {"D_PER_SPLIT": 4096 // split, "BLOCK_T": LOGITS_BLOCK_T, "BLOCK_E": block_e,
+             "BLOCK_D": logits_step(4096 // split)},
             num_warps=LOGITS_WARPS, num_stages=LOGITS_STAGES,
             aligned=("x_ptr", "w_ptr", "out_ptr", "stride_xt", "stride_we", "stride_os", "stride_ot"),
         )
