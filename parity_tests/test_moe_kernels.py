@@ -134,6 +134,7 @@ def test_router_logits_in_256_wide_dot_steps_equal_128_wide_steps(monkeypatch: p
     from optimized.triton.moe_routing import logits_step, router_logits
 
     assert (logits_step(512), logits_step(896), logits_step(256), logits_step(128)) == (256, 128, 256, 128)
+    assert logits_step(512, "amd") == 128  # gfx942's LDS: see LOGITS_STEP_D
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x, gate = _x(5).to(device), _weights().gate.to(device)  # D = 256: one 256-wide step against two 128-wide ones
     for n_split in (1, 2):

@@ -24,7 +24,7 @@ import triton.language as tl
 from optimized.backends import detect
 from optimized.triton._fp8 import prepare_interpreter
 from optimized.triton._pdl import pdl_launch, pdl_wait
-from optimized.triton.aot import AotSpec, by_token_count
+from optimized.triton.aot import PLATFORM_TARGETS, AotSpec, by_token_count, tile_platform
 
 # Logits GEMM tiles. The hidden-dim split and the K steps are the same at every token count, so that a token's
 # logits do not depend on the batch it is in (batch invariance, `parity_tests.invariance`: the H200 run of
@@ -47,7 +47,8 @@ LOGITS_BLOCK_D = 128  # the hidden-dim split's granularity
 # its dot into the same fp32 accumulator in k order, so the logits are the same bits as with 128-wide steps (H200,
 # FLASH, T = 1, 8, 64, 100, and a token alone against the same token at T = 100: bitwise equal); router logits 7.7 ->
 # 7.0 us at T = 1 and 9.6 -> 8.9 us at T = 100 (docs/h200/ab-router-logits-block-d.json; 512-wide steps were slower
-# from T = 100 on).
+# from T = 100 on). NVIDIA only: on gfx942 the 128-expert prefill tile's two stages of 256-wide steps take 72 KB of
+# LDS, over its 64 KB (the AOT check), so AMD keeps 128-wide steps (not measured: no ROCm GPU here).
 LOGITS_STEP_D = 256
 LOGITS_WARPS, LOGITS_STAGES = 4, 2
 # Tokens per top-k program (each holds a [BLOCK_T, next_pow2(E)] fp32 tile).
@@ -176,9 +177,9 @@ def _router_topk_kernel(
     tl.store(weights_ptr + out, weight, mask=store_ok)
 
 
-def logits_step(d_per_split: int) -> int:
-    """K of one dot step of the logits kernel for a split of `d_per_split` hidden dims."""
-    return LOGITS_STEP_D if d_per_split % LOGITS_STEP_D == 0 else LOGITS_BLOCK_D
+def logits_step(d_per_split: int, platform: str = "nvidia") -> int:
+    """K of one dot step of the logits kernel for a split of `d_per_split` hidden dims on `platform`."""
+    return LOGITS_STEP_D if platform == "nvidia" and d_per_split % LOGITS_STEP_D == 0 else LOGITS_BLOCK_D
 
 
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | None = None) -> torch.Tensor:
@@ -210,7 +211,8 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | Non
     _router_logits_kernel[(t_blocks, e_blocks, n_split)](
         x, gate_weight, out, n_tokens, n_experts,
         x.stride(0), gate_weight.stride(0), out.stride(0), out.stride(1),
-        D_PER_SPLIT=dim // n_split, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=logits_step(dim // n_split),
+        D_PER_SPLIT=dim // n_split, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_D=logits_step(dim // n_split, tile_platform()),
         num_warps=LOGITS_WARPS, num_stages=LOGITS_STAGES,
         **pdl_launch(),
     )
@@ -257,15 +259,16 @@ def router_topk(
 AOT_SPECS = [
     *(
         AotSpec(
-            f"router_logits[BLOCK_E={block_e},split={split}]", _router_logits_kernel,
+            f"router_logits[BLOCK_E={block_e},split={split},{platform}]", _router_logits_kernel,
             {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
              "stride_xt": "i32", "stride_we": "i32", "stride_os": "i32", "stride_ot": "i32"},
             {"D_PER_SPLIT": 4096 // split, "BLOCK_T": LOGITS_BLOCK_T, "BLOCK_E": block_e,
-             "BLOCK_D": logits_step(4096 // split)},
+             "BLOCK_D": logits_step(4096 // split, platform)},
             num_warps=LOGITS_WARPS, num_stages=LOGITS_STAGES,
-            aligned=("x_ptr", "w_ptr", "out_ptr", "stride_xt", "stride_we", "stride_os", "stride_ot"),
+            aligned=("x_ptr", "w_ptr", "out_ptr", "stride_xt", "stride_we", "stride_os", "stride_ot"), targets=targets,
         )
         for block_e, split in ((DECODE_BLOCK_E, LOGITS_SPLITS), (LOGITS_BLOCK_E, LOGITS_SPLITS), (LOGITS_BLOCK_E, 1))
+        for platform, targets in PLATFORM_TARGETS.items()
     ),
     *(
         AotSpec(
