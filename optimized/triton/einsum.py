@@ -82,18 +82,17 @@ class EinsumConfig:
 # 128 x 64 tiles with 4 stages took b = 4096 from 542 to 383 us with DeepGEMM's MN-major activation scales (the
 # sweep's input), and from 400 to 392 us in `python -m benchmarks` (row-major scales). Those 4 stages take 72 KB
 # of shared memory, over gfx942's 64 KB LDS: AMD keeps 128 x 128 with 3 stages (not measured: no ROCm GPU here).
-# NVIDIA from b = 65 on (from b = 33 since, below): TMA loads (H200, same-run A/B of 2026-12-04 against the pointer
-# kernel at its tiles, outputs bitwise equal; docs/h200/ab-tma-einsum.json): b = 128 23.4 -> 19.6 us with 64 x 64 tiles
-# (256 programs); b = 4096 386 -> 331 us and b = 8192 756 -> 650 us with 64 x 128 tiles and 4 stages. At b <= 32
-# (split-K) TMA was no faster (b = 1: 16.1 us pointer, 16.9 TMA), so decode keeps pointer loads. Triton's automatic warp
-# specialization (`tl.range(warp_specialize=True)`) was slower or equal at every tile (docs/h200/ab-tma-ws.json).
-# From b = 33 on NVIDIA takes the 64 x 64 TMA tile without split-K (H200, FLASH b = 64, same run: 21.4 us split
-# two ways with pointer loads, 18.4 us full-K through TMA, outputs bitwise equal; docs/h200/ab-einsum-b128.json,
-# which also has every other tile and split tried at b = 128: none beat the 64 x 64 TMA tile's 19.4 us).
-# From b = 129 on NVIDIA takes the prefill tile, 64 x 128 (H200, FLASH, same run, outputs bitwise equal;
-# docs/h200/ab-einsum-mid-b.json, attention-output operands with row-major scales): b = 160 30.7 -> 23.3 us,
-# b = 200 45.4 -> 26.3 us, b = 256 42.2 -> 24.1 us against the 64 x 64 tile, which stays at b <= 128 (19.7 against
-# 20.2 us there).
+# NVIDIA rows (H200 same-run A/Bs, outputs bitwise equal in each):
+#   * b <= 32: split-K pointer tiles. TMA was no faster there (b = 1: 16.1 us pointer, 16.9 TMA;
+#     docs/h200/ab-tma-einsum.json).
+#   * b = 33..128: the 64 x 64 TMA tile, whole K (b = 64: 21.4 us split two ways with pointer loads, 18.4 us whole;
+#     b = 128 23.4 -> 19.6 us against pointer loads, and no other tile or split beat it there;
+#     docs/h200/ab-einsum-b128.json, ab-tma-einsum.json).
+#   * b >= 129: the 64 x 128 TMA tile with 4 stages (b = 160 30.7 -> 23.3 us, 200 45.4 -> 26.3, 256 42.2 -> 24.1
+#     against 64 x 64, which stays at b = 128: 19.7 against 20.2 us; docs/h200/ab-einsum-mid-b.json; b = 4096
+#     386 -> 331 us and 8192 756 -> 650 us against pointer loads).
+# Triton's automatic warp specialization (`tl.range(warp_specialize=True)`) was slower or equal at every tile
+# (docs/h200/ab-tma-ws.json).
 _DECODE_ROWS: tuple[tuple[int, EinsumConfig], ...] = (
     (16, EinsumConfig(16, 64, 1, 4, 4)),  # decode: smallest dot tile, weight streaming
     (32, EinsumConfig(32, 64, 1, 4, 4)),

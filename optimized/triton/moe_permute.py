@@ -64,11 +64,13 @@ DECODE_COMBINE_BLOCK_D = 256
 # measured slower on the H200: 72.7 us).
 PERMUTE_MIN_CHUNK = 16
 PERMUTE_SMALL_CHUNK_WARPS = 4
+PERMUTE_WARPS = 8  # the permute's kernels at full chunks (and the multi-chunk path)
+INTERPRET_COMBINE_BLOCK_T = 64
 
 
 def _permute_warps(chunk: int) -> int:
-    return PERMUTE_SMALL_CHUNK_WARPS if chunk < CHUNK else 8
-INTERPRET_COMBINE_BLOCK_T = 64
+    """Warps of the one-chunk permute ranking `chunk` slots."""
+    return PERMUTE_SMALL_CHUNK_WARPS if chunk < CHUNK else PERMUTE_WARPS
 
 
 @dataclass(frozen=True)
@@ -271,12 +273,12 @@ def permute(
     if n_chunks:
         _count_kernel[(n_chunks,)](ids, counts, n_slots, n_experts, CHUNK=CHUNK, E_PAD=e_pad, **pdl_launch())
     _offsets_kernel[(1,)](counts, chunk_base, expert_start, expert_count, n_chunks, n_experts, align, capacity,
-                          BLOCK_C=OFFSETS_BLOCK_C, E_PAD=e_pad, num_warps=8, **pdl_launch())
+                          BLOCK_C=OFFSETS_BLOCK_C, E_PAD=e_pad, num_warps=PERMUTE_WARPS, **pdl_launch())
     if n_chunks:
         _scatter_kernel[(n_chunks,)](
             ids, chunk_base, expert_start, slot_row,
             rows[0] if rows is not None else slot_row, rows[1] if rows is not None else slot_row,
-            n_slots, n_experts, capacity, CHUNK=CHUNK, E_PAD=e_pad, WRITE_ROWS=write_rows, num_warps=8,
+            n_slots, n_experts, capacity, CHUNK=CHUNK, E_PAD=e_pad, WRITE_ROWS=write_rows, num_warps=PERMUTE_WARPS,
             **pdl_launch(),
         )
     return MoeLayout(slot_row, rows[0] if rows is not None else None, rows[1] if rows is not None else None,
@@ -427,7 +429,7 @@ AOT_SPECS = [
         AotSpec(f"moe_offsets[E={e}]", _offsets_kernel,
                 {"counts_ptr": "*i32", "chunk_base_ptr": "*i32", "expert_start_ptr": "*i32",
                  "expert_count_ptr": "*i32", "n_chunks": _I32, "n_experts": _I32, "align": _I32, "capacity": _I32},
-                {"BLOCK_C": OFFSETS_BLOCK_C, "E_PAD": triton.next_power_of_2(e)}, num_warps=8)
+                {"BLOCK_C": OFFSETS_BLOCK_C, "E_PAD": triton.next_power_of_2(e)}, num_warps=PERMUTE_WARPS)
         for e in (256, 384)
     ),
     *(
@@ -435,7 +437,7 @@ AOT_SPECS = [
                 {"ids_ptr": "*i32", "chunk_base_ptr": "*i32", "expert_start_ptr": "*i32", "slot_row_ptr": "*i32",
                  "sorted_slot_ptr": "*i32", "row_expert_ptr": "*i32", "n_slots": _I32, "n_experts": _I32,
                  "capacity": _I32},
-                {"CHUNK": CHUNK, "E_PAD": triton.next_power_of_2(e), "WRITE_ROWS": rows}, num_warps=8)
+                {"CHUNK": CHUNK, "E_PAD": triton.next_power_of_2(e), "WRITE_ROWS": rows}, num_warps=PERMUTE_WARPS)
         for e in (256, 384) for rows in (True, False)
     ),
     *(
