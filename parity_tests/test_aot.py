@@ -66,10 +66,9 @@ def test_tma_and_dependent_launch_are_compiled_in_exactly_where_launches_ask_for
     """The einsum's `TMA` launches read through TMA on sm_90 and its pointer launches do not; every kernel with a `PDL`
     constexpr waits on its predecessor (`griddepcontrol.wait`) on sm_90, as `_pdl.pdl_launch` launches it there; no
     other sm_90 kernel does, and no AMD kernel has either (a silent fallback of either feature would pass every
-    numeric test). Likewise the arrival counters (`_sync.arrive`): an acquire-release atomic at GPU scope on sm_90
-    exactly where a launch hands work to its last program (split-K GEMMs, the down GEMM's fused combine, the decode
-    router), since a relaxed one would race only now and then."""
-    from optimized.triton import einsum, moe_routing
+    numeric test). Likewise the split-K GEMMs' arrival counter: an acquire-release atomic at GPU scope on sm_90
+    exactly where SPLIT_K > 1 (a relaxed one would race only now and then)."""
+    from optimized.triton import einsum
     from optimized.triton.aot import all_specs
 
     specs = {spec.name: spec for spec in all_specs()}
@@ -78,6 +77,4 @@ def test_tma_and_dependent_launch_are_compiled_in_exactly_where_launches_ask_for
         if spec.kernel is einsum._fp8_einsum_kernel:
             assert r["tma"] == (nvidia and spec.constexprs["TMA"]), r
         assert r["pdl"] == (nvidia and "PDL" in spec.kernel.arg_names), r
-        hands_off = (spec.constexprs.get("SPLIT_K", 1) > 1 or spec.constexprs.get("COMBINE", False)
-                     or spec.kernel is moe_routing._router_decode_kernel)
-        assert r["acq_rel"] == (nvidia and hands_off), r
+        assert r["acq_rel"] == (nvidia and spec.constexprs.get("SPLIT_K", 1) > 1), r

@@ -149,28 +149,6 @@ def test_router_logits_in_256_wide_dot_steps_equal_128_wide_steps(monkeypatch: p
 
 
 @needs_triton
-@pytest.mark.parametrize("tokens", [1, 5, 16])
-@pytest.mark.parametrize("layer", [TOPK_LAYER, HASH_LAYER], ids=["topk", "hash"])
-def test_router_in_one_launch_equals_the_logits_and_topk_kernels_bitwise(tokens: int, layer: int) -> None:
-    """The decode router (partial logits, then the last program's top-k) against the two kernels, bit for bit: with
-    tied scores (two experts with the same gate row) and a NaN token among the tokens."""
-    from optimized.triton.moe_routing import router_decode, router_logits, router_topk
-
-    w = _weights(layer)
-    gate = w.gate.clone()
-    gate[5] = gate[2]  # experts 2 and 5 tie for every token
-    x = _x(tokens, seed=23)
-    x[tokens - 1, 9] = float("nan")
-    token_ids = torch.randint(0, SMALL.vocab_size, (tokens,), generator=generator(24))
-    kw = dict(topk=SMALL.n_activated_experts, route_scale=SMALL.route_scale,
-              token_ids=token_ids if w.tid2eid is not None else None, tid2eid=w.tid2eid)
-    ids, weights = router_decode(x, gate, w.bias, **kw)
-    want_ids, want_weights = router_topk(router_logits(x, gate), w.bias, **kw)
-    _assert_bitwise(int((ids != want_ids).sum()), "ids")
-    _assert_bitwise(int((weights.view(torch.int32) != want_weights.view(torch.int32)).sum()), "weights")
-
-
-@needs_triton
 @pytest.mark.parametrize("layer", [TOPK_LAYER, HASH_LAYER], ids=["topk", "hash"])
 def test_route_matches_the_reference_and_a_nan_token_keeps_valid_ids(layer: int) -> None:
     w = _weights(layer)
@@ -305,61 +283,6 @@ def test_combine_sums_slots_in_ascending_expert_id_in_fp32_and_poisons_overflow(
     want = (want + shared.float()).to(torch.bfloat16)
     _assert_bitwise(int((out[:4] != want[:4]).sum()), "fp32 sum in expert order, shared added, one bf16 cast")
     assert bool(out[4].isnan().all()), "an overflowing slot makes its token NaN, never a silent drop"
-
-
-@needs_triton
-@pytest.mark.parametrize("tokens", [1, 21], ids=["T=1", "T=21-chunk-128"])
-def test_quantize_and_permute_in_one_launch_equals_the_two_kernels_and_zeroes_the_counters(tokens: int) -> None:
-    from optimized.triton.moe_permute import permute, quantize_and_permute
-    from optimized.triton.quant import quant_job
-
-    n_experts, align = 16, 16
-    ids = _random_ids(tokens, n_experts, 6, seed=12)
-    x = _x(tokens)
-    x[0, 3] = float("nan")  # a NaN block keeps its NaN and gets the reference's scale
-    want_q, want_s = quantize_per_token(x, 128, "e4m3fn")
-    want = permute(ids, n_experts, align=align)
-    counters = torch.full((37,), 7, dtype=torch.int32)
-    job = quant_job(x, 128, "e4m3fn")
-    layout = quantize_and_permute(job, ids, n_experts, align=align, zero=counters)
-    q, s = job.tensors[1], job.tensors[2]
-    _assert_bitwise(int((q.view(torch.uint8) != want_q.view(torch.uint8)).sum()), "FP8 values")
-    _assert_bitwise(int((s.view(torch.int32) != want_s.view(torch.int32)).sum()), "scales")
-    for name in ("slot_row", "sorted_slot", "row_expert", "expert_start", "expert_count"):
-        _assert_bitwise(int((getattr(layout, name) != getattr(want, name)).sum()), name)
-    assert layout.n_rows == want.n_rows
-    _assert_bitwise(int(counters.count_nonzero()), "zeroed counters")
-
-
-@needs_triton
-@pytest.mark.parametrize("case", ["T=1", "T=4-same-experts", "T=16", "T=16-nan"])
-@pytest.mark.parametrize("with_shared", [False, True], ids=["routed", "with_shared"])
-def test_decode_step_launches_equal_the_unfused_step_bitwise(case: str, with_shared: bool,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decode step (quantize + permute in one launch, shared expert first, combine fused into the routed down
-    GEMM's last program per column tile) against the same step through the separate launches, bit for bit. Four
-    tokens with the same experts leave most of the down GEMM's row blocks empty: those programs still count in."""
-    from optimized.triton import moe_pipeline
-
-    w = _weights()
-    k = SMALL.n_activated_experts
-    tokens = int(case.split("-")[0][2:])
-    x = _x(tokens, seed=19)
-    if case.endswith("nan"):
-        x[3, 7] = float("nan")
-    ids = _random_ids(tokens, SMALL.n_routed_experts, k, seed=20)
-    if case == "T=4-same-experts":
-        ids = torch.tensor([[6, 1, 4, 3]] * tokens, dtype=torch.int32)
-    topk_weights = torch.rand(tokens, k, generator=generator(21)) + 0.1
-    shared = (w.shared_w13, w.shared_w2) if with_shared else None
-    kw = dict(swiglu_limit=SMALL.swiglu_limit, numerics=OFFICIAL, shared=shared)
-    assert moe_pipeline._fused_decode(ids, w.w13, w.w2, OFFICIAL)
-    fused = moe_pipeline._step(x, ids, topk_weights, w.w13, w.w2, **kw)
-    monkeypatch.setattr(moe_pipeline, "_fused_decode", lambda *args: False)
-    unfused = moe_pipeline._step(x, ids, topk_weights, w.w13, w.w2, **kw)
-    _assert_bitwise(int((fused.view(torch.int16) != unfused.view(torch.int16)).sum()), f"{case} decode step")
-    if case.endswith("nan"):
-        assert bool(fused[3].isnan().all()) and bool(fused[torch.arange(tokens) != 3].isfinite().all())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ its scales, written directly. Down GEMM (`swiglu=False`): bf16 output rows.
 
 Split-K (`GemmConfig.split_k`, chosen by `split_k_for`: the decode shared expert, whose 16 gate/up tiles would
 leave most SMs idle): program (m, n, s) runs the s-th of the equal K slices and stores its fp32 partial sums; the
-tile's last program to arrive (an acquire-release counter, `_sync.arrive`) adds the slices in slice order and runs the
+tile's last program to arrive (an acquire-release counter, `_arrive`) adds the slices in slice order and runs the
 epilogue above. No program waits for another, and the order of the sum is fixed: run to run bitwise. Against the
 whole K loop only the fp32 sum is regrouped (slice sums, then their sum).
 
@@ -53,9 +53,8 @@ from optimized.triton._fp8 import (
     ue8m0_scale,
 )
 from optimized.triton._pdl import pdl_launch, pdl_wait
-from optimized.triton._sync import arrive
 from optimized.triton.aot import ALL_TARGETS, PLATFORM_TARGETS, AotSpec
-from optimized.triton.moe_permute import MoeLayout, combine_tile
+from optimized.triton.moe_permute import MoeLayout
 from reference.formats import ACT_EPS, FP8Format, fp8_format
 from reference.weights import FP8_WEIGHT_BLOCK
 
@@ -66,9 +65,6 @@ SWIGLU_BLOCK_S = 16
 # The decode tile height (`choose_config`: rows per expert <= 16; the smallest `tl.dot` M), the only tiles
 # `split_k_for` splits.
 DECODE_BLOCK_M = 16
-# The decode down GEMM combines its rows itself (`FusedCombine`) up to this many tokens: its last program per column
-# tile then sums at most 16 x k rows of 64 columns.
-COMBINE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -192,6 +188,19 @@ def _quantize_rows(
 
 
 @triton.jit
+def _arrive(counter_ptr):
+    """Count this program in at its tile's counter, once all its threads have stored their partial sums; returns
+    the count before it (the last of S programs gets S - 1).
+
+    The pattern of CUTLASS's split-K semaphore: a CTA barrier, then one thread's atomic with release semantics at
+    GPU scope (Triton runs a scalar atomic in one thread and broadcasts the result), so every store of the program
+    is visible to the program that acquires the count; acquire makes the other programs' stores visible to this one.
+    """
+    tl.debug_barrier()
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
 def _sum_slices(ptrs, valid, slice_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
     """The sum of a tile's SPLIT_K fp32 partial sums, in slice order (the same order whichever program adds them,
     so the result does not depend on which slice finished last). Loads bypass L1 (`.cg`): L1 is not coherent
@@ -203,25 +212,10 @@ def _sum_slices(ptrs, valid, slice_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _combine_if_last(
-    arrivals_ptr, y_ptr, slot_row_ptr, ids_ptr, shared_ptr, out_ptr, offs_n,
-    n_tokens, stride_y, stride_shared, stride_out,
-    N: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Fused combine of the decode down GEMM: count this program in at its column tile's counter once its rows of y
-    are stored; the last of the grid's row blocks combines every token over the tile's columns (`combine_tile`)."""
-    if arrive(arrivals_ptr + tl.program_id(1)) == tl.num_programs(0) - 1:
-        combine_tile(y_ptr, slot_row_ptr, ids_ptr, shared_ptr, out_ptr, tl.arange(0, BLOCK_T), offs_n, n_tokens, N,
-                     stride_y, stride_shared, stride_out, TOPK, K_PAD, HAS_SHARED, BLOCK_T, BLOCK_N, ".cg")
-
-
-@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
     sorted_slot_ptr, row_expert_ptr, topk_w_ptr, partial_ptr, arrivals_ptr,
-    slot_row_ptr, ids_ptr, shared_ptr, combine_ptr,
-    n_rows, limit, stride_ps, n_tokens, stride_shared, stride_co,
+    n_rows, limit, stride_ps,
     stride_am, stride_asm, stride_ask,
     stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
     stride_om, stride_osm, stride_osk,
@@ -230,8 +224,6 @@ def _grouped_gemm_kernel(
     A_FP8: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_BF16: tl.constexpr, ACT_BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-    COMBINE: tl.constexpr = False, COMBINE_T: tl.constexpr = 1, K_PAD: tl.constexpr = 1,
-    HAS_SHARED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """out[rows, n-tile] of one expert: load tiles, block-scaled accumulate, epilogue, store.
@@ -239,8 +231,6 @@ def _grouped_gemm_kernel(
     BLOCK_K = ACT_BLOCK for FP8 A (one activation scale per K step), 128 for bf16 A (one weight scale).
     With SPLIT_K > 1, program (m, n, s) accumulates the s-th of SPLIT_K equal K slices; the tile's last
     program to finish adds the slices' partial sums (`_sum_slices`) and runs the epilogue.
-    With COMBINE (routed down GEMM at decode, at most COMBINE_T tokens), the last program of each column tile also
-    runs `combine` there (`_combine_if_last`), into combine_ptr [n_tokens, N] bf16.
     """
     pdl_wait(PDL)
     pid_m = tl.program_id(0)
@@ -252,10 +242,6 @@ def _grouped_gemm_kernel(
     if GROUPED:
         expert = tl.load(row_expert_ptr + pid_m * BLOCK_M)
         if expert < 0:  # a block past the last expert's segment
-            if COMBINE:
-                _combine_if_last(arrivals_ptr, out_ptr, slot_row_ptr, ids_ptr, shared_ptr, combine_ptr,
-                                 pid_n * BLOCK_N + tl.arange(0, BLOCK_N), n_tokens, stride_om, stride_shared, stride_co,
-                                 N, TOPK, K_PAD, HAS_SHARED, COMBINE_T, BLOCK_N)
             return
         slot = tl.load(sorted_slot_ptr + rows)
         valid = slot >= 0
@@ -310,7 +296,7 @@ def _grouped_gemm_kernel(
         tl.store(slices + pid_k * stride_ps, acc_g, mask=valid[:, None])
         if SWIGLU:
             tl.store(slices + pid_k * stride_ps + N, acc_u, mask=valid[:, None])
-        if arrive(arrivals_ptr + pid_m * tl.num_programs(1) + pid_n) < SPLIT_K - 1:
+        if _arrive(arrivals_ptr + pid_m * tl.num_programs(1) + pid_n) < SPLIT_K - 1:
             return  # another slice of this tile is still running: its program finishes the tile
         acc_g = _sum_slices(slices, valid, stride_ps, BLOCK_M, BLOCK_N, SPLIT_K)
         if SWIGLU:
@@ -328,46 +314,13 @@ def _grouped_gemm_kernel(
             tl.store(out_ptrs, act.to(tl.bfloat16), mask=valid[:, None])
     else:
         tl.store(out_ptrs, acc_g.to(tl.bfloat16), mask=valid[:, None])
-        if COMBINE:
-            _combine_if_last(arrivals_ptr, out_ptr, slot_row_ptr, ids_ptr, shared_ptr, combine_ptr, offs_n, n_tokens,
-                             stride_om, stride_shared, stride_co, N, TOPK, K_PAD, HAS_SHARED, COMBINE_T, BLOCK_N)
-
-
-@dataclass(frozen=True)
-class FusedCombine:
-    """`moe_permute.combine` fused into the routed down GEMM (decode: at most COMBINE_TOKENS tokens).
-
-    Attributes:
-        topk_ids: [T, k] int32 contiguous (the sum's order).
-        out: [T, D] bf16, written by the last program of each column tile.
-        shared: [T, D] bf16 shared expert output added before the bf16 cast, or None.
-    """
-
-    topk_ids: torch.Tensor
-    out: torch.Tensor
-    shared: torch.Tensor | None = None
-
-    def constexprs(self, topk: int) -> dict[str, object]:
-        return {"COMBINE": True, "COMBINE_T": max(triton.next_power_of_2(self.out.shape[0]), 1),
-                "K_PAD": triton.next_power_of_2(topk), "HAS_SHARED": self.shared is not None}
-
-
-def arrival_count(n_rows: int, n_out: int, config: GemmConfig, combine: bool) -> int:
-    """Arrival counters a launch uses: one per output tile with a K split, one per column tile with a fused
-    combine, none otherwise."""
-    if combine:
-        return n_out // config.block_n
-    if config.split_k > 1:
-        return triton.cdiv(n_rows, config.block_m) * (n_out // config.block_n)
-    return 0
 
 
 def grouped_gemm(
     a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor, *,
     layout: MoeLayout | None, config: GemmConfig, swiglu: bool, numerics_fmt: str | FP8Format,
     act_block: int, topk: int = 1, gather: bool = False, topk_weights: torch.Tensor | None = None,
-    limit: float = float("inf"), gate_up_bf16: bool = True, arrivals: torch.Tensor | None = None,
-    combine: FusedCombine | None = None,
+    limit: float = float("inf"), gate_up_bf16: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One grouped (or, with `layout=None`, plain) block-FP8 GEMM launch; shapes are validated by the caller.
 
@@ -384,9 +337,6 @@ def grouped_gemm(
         topk_weights: [T * k] fp32 routing weights by slot (gate/up GEMM of routed experts), or None.
         limit: SwiGLU clamp (+inf: none).
         gate_up_bf16: round gate/up to bf16 before the clamp.
-        arrivals: zeroed int32 counters, at least `arrival_count(...)` of them (split-K or `combine`); None:
-            a zero-filled buffer of this call (a memset launch).
-        combine: the routed down GEMM at decode: also combine its rows into `combine.out` (see `FusedCombine`).
 
     Returns:
         out: gate/up: [rows, N] FP8 (bf16 when `a` is bf16); down: [rows, N] bf16.
@@ -411,27 +361,18 @@ def grouped_gemm(
     split = config.split_k
     if split < 1 or k_dim % (split * block_k):
         raise ValueError(f"config: split_k = {split} must divide the {k_dim // block_k} K blocks of {block_k}")
-    if combine is not None and (swiglu or split > 1 or layout is None):
-        raise ValueError("combine: only the routed down GEMM without a K split combines its rows")
     grid = (triton.cdiv(n_rows, config.block_m), n_out // config.block_n, split)
-    n_arrivals = arrival_count(n_rows, n_out, config, combine is not None)
-    if n_arrivals and arrivals is None:
-        arrivals = torch.zeros(n_arrivals, dtype=torch.int32, device=a.device)
-    elif n_arrivals and arrivals.numel() < n_arrivals:
-        raise ValueError(f"arrivals: {arrivals.numel()} counters, the launch needs {n_arrivals}")
-    # fp32 partial sums of each slice (gate and up side by side)
-    partial = (torch.empty((split, n_rows, 2 * n_out if swiglu else n_out), dtype=torch.float32, device=a.device)
-               if split > 1 else dummy)
-    shared = combine.shared if combine is not None and combine.shared is not None else None
+    if split > 1:
+        # fp32 partial sums of each slice (gate and up side by side) and one arrival counter per output tile
+        partial = torch.empty((split, n_rows, 2 * n_out if swiglu else n_out), dtype=torch.float32, device=a.device)
+        arrivals = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=a.device)
+    else:
+        partial = arrivals = dummy
     _grouped_gemm_kernel[grid](
         a, a_scale if a_fp8 else dummy, w, w_scale, out, out_scale if out_fp8 else dummy,
         layout.sorted_slot if layout is not None else dummy, layout.row_expert if layout is not None else dummy,
-        topk_weights if topk_weights is not None else dummy, partial, arrivals if n_arrivals else dummy,
-        layout.slot_row if combine is not None else dummy, combine.topk_ids if combine is not None else dummy,
-        shared if shared is not None else dummy, combine.out if combine is not None else dummy,
+        topk_weights if topk_weights is not None else dummy, partial, arrivals,
         n_rows, float(limit), partial.stride(0) if split > 1 else 0,
-        combine.out.shape[0] if combine is not None else 0, shared.stride(0) if shared is not None else 0,
-        combine.out.stride(0) if combine is not None else 0,
         a.stride(0), a_scale.stride(0) if a_fp8 else 0, a_scale.stride(1) if a_fp8 else 0,
         w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
         out.stride(0), out_scale.stride(0) if out_fp8 else 0, out_scale.stride(1) if out_fp8 else 0,
@@ -439,7 +380,6 @@ def grouped_gemm(
         HAS_WEIGHT=topk_weights is not None, A_FP8=a_fp8, OUT_FP8=out_fp8, GATE_UP_BF16=gate_up_bf16,
         ACT_BLOCK=act_block, BLOCK_K=block_k, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, **fp8_constants(fmt), SPLIT_K=split,
-        **(combine.constexprs(topk) if combine is not None else {}),
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch(),
     )
@@ -519,16 +459,14 @@ def _gemm_signature(a: str) -> dict[str, str]:
     return {
         "a_ptr": a, "a_scale_ptr": "*fp32", "w_ptr": "*{fp8}", "w_scale_ptr": "*fp32", "out_ptr": "*{fp8}",
         "out_scale_ptr": "*fp32", "sorted_slot_ptr": "*i32", "row_expert_ptr": "*i32", "topk_w_ptr": "*fp32",
-        "partial_ptr": "*fp32", "arrivals_ptr": "*i32", "slot_row_ptr": "*i32", "ids_ptr": "*i32",
-        "shared_ptr": "*bf16", "combine_ptr": "*bf16", "n_rows": "i32", "limit": "fp32", "stride_ps": "i32",
-        "n_tokens": "i32", "stride_shared": "i32", "stride_co": "i32",
+        "partial_ptr": "*fp32", "arrivals_ptr": "*i32", "n_rows": "i32", "limit": "fp32", "stride_ps": "i32",
         **{k: "i32" for k in ("stride_am", "stride_asm", "stride_ask", "stride_we", "stride_wn", "stride_wse",
                               "stride_wsn", "stride_wsk", "stride_om", "stride_osm", "stride_osk")},
     }
 
 
 def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, grouped: bool,
-              act_block: int = 128, targets: tuple[str, ...] = ALL_TARGETS, combine: bool = False) -> AotSpec:
+              act_block: int = 128, targets: tuple[str, ...] = ALL_TARGETS) -> AotSpec:
     signature = _gemm_signature("*{fp8}")
     if not swiglu:
         signature["out_ptr"] = "*bf16"
@@ -540,8 +478,7 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
         {"K": k, "N": n, "TOPK": 6 if grouped else 1, "GROUPED": grouped, "GATHER": grouped and swiglu,
          "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "OUT_FP8": swiglu, "GATE_UP_BF16": True,
          "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-         "SPLIT_K": config.split_k,
-         **({"COMBINE": True, "COMBINE_T": COMBINE_TOKENS, "K_PAD": 8, "HAS_SHARED": True} if combine else {})},
+         "SPLIT_K": config.split_k},
         fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned, targets=targets,
     )
 
@@ -558,8 +495,6 @@ def _per_platform(name: str, label: str, rows_per_expert: int, k: int, n: int, s
 AOT_SPECS = [
     *_per_platform("moe_gate_up", "rows/expert=1", 1, 4096, 2048, True, True),
     _aot_gemm("moe_down[rows/expert=1]", choose_config(1, 4096, False), 2048, 4096, False, True),
-    _aot_gemm("moe_down[rows/expert=1,combine]", choose_config(1, 4096, False), 2048, 4096, False, True,
-              combine=True),
     *_per_platform("moe_gate_up", "rows/expert=128", 128, 4096, 2048, True, True),
     *_per_platform("moe_down", "rows/expert=128", 128, 2048, 4096, False, True),
     *_per_platform("moe_shared_gate_up", "T=4096", 4096, 4096, 2048, True, False),

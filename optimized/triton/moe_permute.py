@@ -36,9 +36,7 @@ import triton.language as tl
 
 from optimized.triton._fp8 import prepare_interpreter
 from optimized.triton._pdl import pdl_launch, pdl_wait
-from optimized.triton.aot import PLATFORM_TARGETS, AotSpec, by_token_count, tile_platform
-from optimized.triton.quant import QuantJob, quant_tile
-from reference.formats import ACT_EPS
+from optimized.triton.aot import AotSpec, by_token_count
 
 SKIPPED = tl.constexpr(-1)
 OVERFLOW = tl.constexpr(-2)
@@ -67,9 +65,6 @@ DECODE_COMBINE_BLOCK_D = 256
 PERMUTE_MIN_CHUNK = 16
 PERMUTE_SMALL_CHUNK_WARPS = 4
 PERMUTE_WARPS = 8  # the permute's kernels at full chunks (and the multi-chunk path)
-# Slots of `quantize_and_permute` by platform: with the quantization in the same kernel, the 128-slot permute spills
-# on gfx942 and gfx950 (7-11 registers, the AOT check), so AMD fuses up to 64 slots.
-QUANT_PERMUTE_SLOTS = {"nvidia": CHUNK, "amd": CHUNK // 2}
 INTERPRET_COMBINE_BLOCK_T = 64
 
 
@@ -197,21 +192,10 @@ def _permute_chunk_kernel(
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_R: tl.constexpr, WRITE_ROWS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """The three kernels above for a single chunk, in one program (`permute_one_chunk`)."""
+    """The three kernels above for a single chunk (chunk bases 0), in one program; with WRITE_ROWS, every row of
+    `rows` = [sorted_slot; row_expert] ([2, n_rows], contiguous) is written (padding rows -1, as the fill before the
+    three kernels)."""
     pdl_wait(PDL)
-    permute_one_chunk(ids_ptr, expert_start_ptr, expert_count_ptr, slot_row_ptr, rows_ptr, n_slots, n_experts, n_rows,
-                      align, capacity, CHUNK, E_PAD, BLOCK_R, WRITE_ROWS)
-
-
-@triton.jit
-def permute_one_chunk(
-    ids_ptr, expert_start_ptr, expert_count_ptr, slot_row_ptr, rows_ptr,
-    n_slots, n_experts, n_rows, align, capacity,
-    CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_R: tl.constexpr, WRITE_ROWS: tl.constexpr,
-):
-    """Count, offsets and scatter for at most CHUNK slots (chunk bases 0) in one program; with WRITE_ROWS, every
-    row of `rows` = [sorted_slot; row_expert] ([2, n_rows], contiguous) is written (padding rows -1, as the fill
-    before the three kernels)."""
     lane = tl.arange(0, CHUNK)
     in_range = lane < n_slots
     eid = tl.load(ids_ptr + lane, mask=in_range, other=-1)
@@ -231,51 +215,12 @@ def permute_one_chunk(
     tl.store(slot_row_ptr + lane, tl.where(placed, row, tl.where(ok, OVERFLOW, SKIPPED)), mask=in_range)
     if WRITE_ROWS:
         # padding rows hold -1: fill every row, then (after a barrier: other threads wrote the fill) the placed ones
-        _fill(rows_ptr, 2 * n_rows, -1, BLOCK_R)
+        for r0 in range(0, 2 * n_rows, BLOCK_R):
+            entries = r0 + tl.arange(0, BLOCK_R)
+            tl.store(rows_ptr + entries, tl.full([BLOCK_R], -1, tl.int32), mask=entries < 2 * n_rows)
         tl.debug_barrier()
         tl.store(rows_ptr + row, lane, mask=placed)
         tl.store(rows_ptr + n_rows + row, eid, mask=placed)
-
-
-@triton.jit
-def _fill(ptr, n, value, BLOCK: tl.constexpr):
-    """ptr[0:n] = value (int32), BLOCK entries per step."""
-    for r0 in range(0, n, BLOCK):
-        entries = r0 + tl.arange(0, BLOCK)
-        tl.store(ptr + entries, tl.full([BLOCK], value, tl.int32), mask=entries < n)
-
-
-@triton.jit
-def _quant_permute_kernel(
-    x_ptr, q_ptr, s_ptr, M, M_PAD, stride_xm, stride_qm, stride_sm, stride_sk, n_blocks,
-    ids_ptr, expert_start_ptr, expert_count_ptr, slot_row_ptr, rows_ptr, zero_ptr,
-    n_slots, n_experts, n_rows, align, n_zero,
-    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, NATIVE_CAST: tl.constexpr,
-    CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """A decode step's two independent glue jobs in one launch: programs 0 .. P-2 quantize the tokens
-    (`quant.quant_tile`, tile p // n_blocks, channel block p % n_blocks), the last program runs the one-chunk
-    permute (compact layout, row maps written) and zeroes `zero_ptr[0:n_zero]` (the step's arrival counters)."""
-    pdl_wait(PDL)
-    pid = tl.program_id(0)
-    if pid < tl.num_programs(0) - 1:
-        quant_tile(x_ptr, q_ptr, s_ptr, pid // n_blocks, pid % n_blocks, M, M_PAD, stride_xm, stride_qm, stride_sm,
-                   stride_sk, BLOCK, BLOCK_M, EPS, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO, NATIVE_CAST)
-    else:
-        permute_one_chunk(ids_ptr, expert_start_ptr, expert_count_ptr, slot_row_ptr, rows_ptr, n_slots, n_experts,
-                          n_rows, align, 0, CHUNK, E_PAD, BLOCK_R, True)
-        _fill(zero_ptr, n_zero, 0, BLOCK_R)
-
-
-def compact_rows(n_slots: int, n_experts: int, align: int) -> int:
-    """Rows of the compact layout: each non-empty expert wastes at most align - 1 rows."""
-    return triton.cdiv(n_slots + min(n_experts, n_slots) * (align - 1), align) * align
-
-
-def _one_chunk(n_slots: int) -> int:
-    """CHUNK of the one-chunk permute for `n_slots` slots (its slots padded to a power of two)."""
-    return max(PERMUTE_MIN_CHUNK, triton.next_power_of_2(n_slots))
 
 
 def permute(
@@ -300,7 +245,11 @@ def permute(
     prepare_interpreter()
     device = topk_ids.device
     n_slots = topk_ids.numel()
-    n_rows = n_experts * capacity if capacity else compact_rows(n_slots, n_experts, align)
+    if capacity:
+        n_rows = n_experts * capacity
+    else:
+        # each non-empty expert wastes at most align - 1 rows
+        n_rows = triton.cdiv(n_slots + min(n_experts, n_slots) * (align - 1), align) * align
     e_pad = triton.next_power_of_2(n_experts)
     n_chunks = triton.cdiv(n_slots, CHUNK)
     ids = topk_ids.reshape(-1)
@@ -309,7 +258,7 @@ def permute(
     slot_row = torch.empty(n_slots, dtype=torch.int32, device=device)
     if n_chunks == 1:
         rows = torch.empty((2, n_rows), dtype=torch.int32, device=device) if write_rows else None
-        chunk = _one_chunk(n_slots)
+        chunk = max(PERMUTE_MIN_CHUNK, triton.next_power_of_2(n_slots))
         _permute_chunk_kernel[(1,)](
             ids, expert_start, expert_count, slot_row, rows if rows is not None else slot_row,
             n_slots, n_experts, n_rows, align, capacity,
@@ -334,34 +283,6 @@ def permute(
         )
     return MoeLayout(slot_row, rows[0] if rows is not None else None, rows[1] if rows is not None else None,
                      expert_start, expert_count, n_rows, align, capacity)
-
-
-def quantize_and_permute(job: QuantJob, topk_ids: torch.Tensor, n_experts: int, *, align: int,
-                         zero: torch.Tensor) -> MoeLayout:
-    """`job`'s activation quantization (`quant.quant_job`) and `permute(topk_ids, n_experts, align=align)` in one
-    launch, which also zeroes `zero` (int32: the step's arrival counters); at most `QUANT_PERMUTE_SLOTS` slots.
-
-    The decode step's quantization and permute do not depend on each other: one launch instead of two saves a
-    kernel boundary of the step's chain. The bytes equal the two kernels' (the same device functions).
-    """
-    n_slots = topk_ids.numel()
-    if n_slots > QUANT_PERMUTE_SLOTS[tile_platform()]:
-        raise ValueError(f"topk_ids: {n_slots} slots, over the {QUANT_PERMUTE_SLOTS[tile_platform()]} of one launch")
-    prepare_interpreter()
-    device = topk_ids.device
-    n_rows = compact_rows(n_slots, n_experts, align)
-    expert_start = torch.empty(n_experts + 1, dtype=torch.int32, device=device)
-    expert_count = torch.empty(n_experts, dtype=torch.int32, device=device)
-    slot_row = torch.empty(n_slots, dtype=torch.int32, device=device)
-    rows = torch.empty((2, n_rows), dtype=torch.int32, device=device)
-    chunk = _one_chunk(n_slots)
-    _quant_permute_kernel[(job.programs + 1,)](
-        *job.tensors, *job.sizes, job.grid[1], topk_ids.reshape(-1), expert_start, expert_count, slot_row, rows,
-        zero if zero.numel() else slot_row, n_slots, n_experts, n_rows, align, zero.numel(), **job.constexprs,
-        CHUNK=chunk, E_PAD=triton.next_power_of_2(n_experts), BLOCK_R=PERMUTE_BLOCK_R,
-        num_warps=_permute_warps(chunk), enable_fp_fusion=False, **pdl_launch(),
-    )
-    return MoeLayout(slot_row, rows[0], rows[1], expert_start, expert_count, n_rows, align, 0)
 
 
 @triton.jit
@@ -436,21 +357,11 @@ def _combine_kernel(
 ):
     """out[t] = bf16( sum over t's slots, in ascending expert id, of fp32 y[row] (+ fp32 shared[t]) )."""
     pdl_wait(PDL)
-    combine_tile(y_ptr, slot_row_ptr, ids_ptr, shared_ptr, out_ptr, tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T),
-                 tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D), n_tokens, dim, stride_y, stride_shared,
-                 stride_out, TOPK, K_PAD, HAS_SHARED, BLOCK_T, BLOCK_D, "")
-
-
-@triton.jit
-def combine_tile(
-    y_ptr, slot_row_ptr, ids_ptr, shared_ptr, out_ptr, tokens, cols,
-    n_tokens, dim, stride_y, stride_shared, stride_out,
-    TOPK: tl.constexpr, K_PAD: tl.constexpr, HAS_SHARED: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, Y_CACHE: tl.constexpr,
-):
-    """`combine` of the tokens x columns tile (also run by the decode down GEMM's last program of a column tile,
-    which reads the other programs' rows of y past L1: Y_CACHE = ".cg")."""
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = tokens < n_tokens
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = cols < dim
     j = tl.arange(0, K_PAD)
     # order the slots by (expert id, slot): key = (id + 1) * K_PAD + j; padding lanes sort last
@@ -463,7 +374,7 @@ def combine_tile(
         slot_j = tl.sum(tl.where(j[None, :] == i, key, 0), axis=1) % K_PAD
         row = tl.load(slot_row_ptr + tokens * TOPK + slot_j, mask=t_ok, other=SKIPPED)
         y = tl.load(y_ptr + row.to(tl.int64)[:, None] * stride_y + cols[None, :],
-                    mask=(row >= 0)[:, None] & d_ok[None, :], other=0.0, cache_modifier=Y_CACHE).to(tl.float32)
+                    mask=(row >= 0)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.where((row == OVERFLOW)[:, None], float("nan"), y)
     if HAS_SHARED:
         acc += tl.load(shared_ptr + tokens.to(tl.int64)[:, None] * stride_shared + cols[None, :],
@@ -537,21 +448,6 @@ AOT_SPECS = [
                 {"CHUNK": chunk, "E_PAD": triton.next_power_of_2(e), "BLOCK_R": PERMUTE_BLOCK_R, "WRITE_ROWS": rows},
                 num_warps=_permute_warps(chunk), aligned=("ids_ptr", "slot_row_ptr", "rows_ptr"))
         for e in (256, 384) for rows in (True, False) for chunk in (PERMUTE_MIN_CHUNK, CHUNK // 2, CHUNK)
-    ),
-    *(
-        AotSpec(f"moe_quant_permute[E={e},chunk={chunk},{platform}]", _quant_permute_kernel,
-                {"x_ptr": "*bf16", "q_ptr": "*{fp8}", "s_ptr": "*fp32", **{k: _I32 for k in (
-                    "M", "M_PAD", "stride_xm", "stride_qm", "stride_sm", "stride_sk", "n_blocks")},
-                 "ids_ptr": "*i32", "expert_start_ptr": "*i32", "expert_count_ptr": "*i32", "slot_row_ptr": "*i32",
-                 "rows_ptr": "*i32", "zero_ptr": "*i32", **{k: _I32 for k in (
-                     "n_slots", "n_experts", "n_rows", "align", "n_zero")}},
-                {"BLOCK": 128, "BLOCK_M": 32, "EPS": ACT_EPS, "CHUNK": chunk,
-                 "E_PAD": triton.next_power_of_2(e), "BLOCK_R": PERMUTE_BLOCK_R},
-                fp8=True, num_warps=_permute_warps(chunk),
-                aligned=("x_ptr", "q_ptr", "s_ptr", "stride_xm", "stride_qm", "ids_ptr", "slot_row_ptr", "rows_ptr",
-                         "zero_ptr"), targets=targets)
-        for e in (256, 384) for platform, targets in PLATFORM_TARGETS.items()
-        for chunk in (PERMUTE_MIN_CHUNK, QUANT_PERMUTE_SLOTS[platform])
     ),
     AotSpec("moe_gather_rows", _gather_rows_kernel,
             {"src_ptr": "*u8", "src_scale_ptr": "*fp32", "slot_row_ptr": "*i32", "dst_ptr": "*u8",

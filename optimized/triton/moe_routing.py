@@ -24,7 +24,6 @@ import triton.language as tl
 from optimized.backends import detect
 from optimized.triton._fp8 import prepare_interpreter
 from optimized.triton._pdl import pdl_launch, pdl_wait
-from optimized.triton._sync import arrive
 from optimized.triton.aot import PLATFORM_TARGETS, AotSpec, by_token_count, tile_platform
 
 # Logits GEMM tiles. The hidden-dim split and the K steps are the same at every token count, so that a token's
@@ -93,16 +92,6 @@ def _router_logits_kernel(
 ):
     """out[split, t, e] = sum over the split's hidden dims of x[t, d] * w[e, d] (fp32)."""
     pdl_wait(PDL)
-    _logits_tile(x_ptr, w_ptr, out_ptr, n_tokens, n_experts, stride_xt, stride_we, stride_os, stride_ot, D_PER_SPLIT,
-                 BLOCK_T, BLOCK_E, BLOCK_D)
-
-
-@triton.jit
-def _logits_tile(
-    x_ptr, w_ptr, out_ptr, n_tokens, n_experts, stride_xt, stride_we, stride_os, stride_ot,
-    D_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """The partial logits of program (t block, e block, split) of the grid."""
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -135,21 +124,8 @@ def _router_topk_kernel(
 ):
     """ids[t, j], weights[t, j] for j < TOPK (spec §5.1)."""
     pdl_wait(PDL)
-    _topk_tile(logits_ptr, bias_ptr, token_ids_ptr, tid2eid_ptr, ids_ptr, weights_ptr,
-               tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T), n_tokens, n_experts, vocab_size, route_scale,
-               stride_ls, stride_lt, stride_hash, N_SPLIT, TOPK, K_PAD, E_PAD, HAS_BIAS, HASH, "")
-
-
-@triton.jit
-def _topk_tile(
-    logits_ptr, bias_ptr, token_ids_ptr, tid2eid_ptr, ids_ptr, weights_ptr, offs_t,
-    n_tokens, n_experts, vocab_size, route_scale, stride_ls, stride_lt, stride_hash,
-    N_SPLIT: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HASH: tl.constexpr, LOGITS_CACHE: tl.constexpr,
-):
-    """Selection and weights of the tokens `offs_t` (the fused decode router reads the other programs' partial
-    logits past L1: LOGITS_CACHE = ".cg")."""
-    BLOCK_T: tl.constexpr = offs_t.shape[0]
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, E_PAD)
     t_ok = offs_t < n_tokens
     e_ok = offs_e < n_experts
@@ -157,9 +133,9 @@ def _topk_tile(
 
     # logits: the split partial sums, added in a fixed order
     ptrs = logits_ptr + offs_t[:, None] * stride_lt + offs_e[None, :]
-    logit = tl.load(ptrs, mask=ok, other=0.0, cache_modifier=LOGITS_CACHE)
+    logit = tl.load(ptrs, mask=ok, other=0.0)
     for s in tl.static_range(1, N_SPLIT):
-        logit += tl.load(ptrs + s * stride_ls, mask=ok, other=0.0, cache_modifier=LOGITS_CACHE)
+        logit += tl.load(ptrs + s * stride_ls, mask=ok, other=0.0)
     score = _sqrt_softplus(logit)
 
     if HASH:
@@ -201,37 +177,9 @@ def _topk_tile(
     tl.store(weights_ptr + out, weight, mask=store_ok)
 
 
-@triton.jit
-def _router_decode_kernel(
-    x_ptr, w_ptr, partial_ptr, arrivals_ptr, bias_ptr, token_ids_ptr, tid2eid_ptr, ids_ptr, weights_ptr,
-    n_tokens, n_experts, vocab_size, route_scale, stride_xt, stride_we, stride_ps, stride_pt, stride_hash,
-    D_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-    N_SPLIT: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HASH: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """Both router kernels in one launch (at most BLOCK_T tokens): each program stores its partial logits and counts
-    itself in (`_sync.arrive`); the last one runs the top-k of every token on all the partials."""
-    pdl_wait(PDL)
-    _logits_tile(x_ptr, w_ptr, partial_ptr, n_tokens, n_experts, stride_xt, stride_we, stride_ps, stride_pt,
-                 D_PER_SPLIT, BLOCK_T, BLOCK_E, BLOCK_D)
-    if arrive(arrivals_ptr) == tl.num_programs(1) * tl.num_programs(2) - 1:
-        # one token at a time (a [BLOCK_T, E] tile of the top-k's temporaries spills at 384 experts)
-        for t in range(0, n_tokens):
-            _topk_tile(partial_ptr, bias_ptr, token_ids_ptr, tid2eid_ptr, ids_ptr, weights_ptr, t + tl.arange(0, 1),
-                       n_tokens, n_experts, vocab_size, route_scale, stride_ps, stride_pt, stride_hash, N_SPLIT, TOPK,
-                       K_PAD, E_PAD, HAS_BIAS, HASH, ".cg")
-
-
 def logits_step(d_per_split: int, platform: str = "nvidia") -> int:
     """K of one dot step of the logits kernel for a split of `d_per_split` hidden dims on `platform`."""
     return LOGITS_STEP_D if platform == "nvidia" and d_per_split % LOGITS_STEP_D == 0 else LOGITS_BLOCK_D
-
-
-def default_splits(dim: int) -> int:
-    """Hidden-dim slices of the logits: the largest divisor of D / LOGITS_BLOCK_D that is at most LOGITS_SPLITS on
-    a GPU (8 on FLASH and PRO), whatever the token count; 1 on the CPU interpreter."""
-    d_blocks = dim // LOGITS_BLOCK_D
-    return 1 if detect().interpret else max(s for s in range(1, LOGITS_SPLITS + 1) if d_blocks % s == 0)
 
 
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | None = None) -> torch.Tensor:
@@ -256,7 +204,7 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | Non
     e_blocks = triton.cdiv(n_experts, block_e)
     d_blocks = dim // LOGITS_BLOCK_D
     if n_split is None:
-        n_split = default_splits(dim)
+        n_split = 1 if interpret else max(s for s in range(1, LOGITS_SPLITS + 1) if d_blocks % s == 0)
     elif d_blocks % n_split:
         raise ValueError(f"n_split: {n_split} does not divide the {d_blocks} hidden-dim blocks of {LOGITS_BLOCK_D}")
     out = torch.empty((n_split, n_tokens, n_experts), dtype=torch.float32, device=x.device)
@@ -269,50 +217,6 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, n_split: int | Non
         **pdl_launch(),
     )
     return out
-
-
-def _topk_args(bias: torch.Tensor | None, token_ids: torch.Tensor | None, tid2eid: torch.Tensor | None, topk: int,
-               n_experts: int, route_scale: float, dummy: torch.Tensor) -> tuple[tuple, dict[str, object]]:
-    """The top-k's tensors and scalars after the logits (bias, token ids, tid2eid; vocab, route scale) and its
-    constexprs (what `router_topk` and `router_decode` pass alike)."""
-    hashed = tid2eid is not None
-    tensors = (bias if bias is not None and not hashed else dummy, token_ids if hashed else dummy,
-               tid2eid if hashed else dummy)
-    constexprs = {"TOPK": topk, "K_PAD": triton.next_power_of_2(topk), "E_PAD": triton.next_power_of_2(n_experts),
-                  "HAS_BIAS": bias is not None and not hashed, "HASH": hashed}
-    return (tensors, (tid2eid.shape[0] if hashed else 0, float(route_scale)), tid2eid.stride(0) if hashed else 0), \
-        constexprs
-
-
-def router_decode(
-    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, *, topk: int, route_scale: float,
-    token_ids: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`router_topk(router_logits(x, gate_weight), ...)` in one launch, for at most LOGITS_BLOCK_T tokens: the same
-    partial logits, and the program that stores the last of them runs the top-k (`_router_decode_kernel`).
-
-    Costs a memset of one arrival counter; saves the top-k's launch and its wait for the logits kernel.
-    """
-    prepare_interpreter()
-    n_tokens, dim = x.shape
-    n_experts = gate_weight.shape[0]
-    if n_tokens > LOGITS_BLOCK_T:
-        raise ValueError(f"x: {n_tokens} tokens, over the {LOGITS_BLOCK_T} of the one-launch router")
-    n_split = default_splits(dim)
-    partial = torch.empty((n_split, n_tokens, n_experts), dtype=torch.float32, device=x.device)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=x.device)
-    ids = torch.empty((n_tokens, topk), dtype=torch.int32, device=x.device)
-    weights = torch.empty((n_tokens, topk), dtype=torch.float32, device=x.device)
-    (tensors, scalars, stride_hash), constexprs = _topk_args(bias, token_ids, tid2eid, topk, n_experts, route_scale,
-                                                             partial)
-    _router_decode_kernel[(1, triton.cdiv(n_experts, DECODE_BLOCK_E), n_split)](
-        x, gate_weight, partial, arrivals, *tensors, ids, weights, n_tokens, n_experts, *scalars,
-        x.stride(0), gate_weight.stride(0), partial.stride(0), partial.stride(1), stride_hash,
-        D_PER_SPLIT=dim // n_split, BLOCK_T=LOGITS_BLOCK_T, BLOCK_E=DECODE_BLOCK_E,
-        BLOCK_D=logits_step(dim // n_split, tile_platform()), N_SPLIT=n_split, **constexprs,
-        num_warps=LOGITS_WARPS, num_stages=LOGITS_STAGES, **pdl_launch(),
-    )
-    return ids, weights
 
 
 def router_topk(
@@ -336,14 +240,18 @@ def router_topk(
     n_split, n_tokens, n_experts = logits.shape
     ids = torch.empty((n_tokens, topk), dtype=torch.int32, device=logits.device)
     weights = torch.empty((n_tokens, topk), dtype=torch.float32, device=logits.device)
-    # tensors never read when the matching constexpr is off are the logits
-    (tensors, scalars, stride_hash), constexprs = _topk_args(bias, token_ids, tid2eid, topk, n_experts, route_scale,
-                                                             logits)
+    hashed = tid2eid is not None
+    dummy = logits  # never read when the matching constexpr is off
     block_t, warps = by_token_count(n_tokens, DECODE_TOKENS, interpret=(INTERPRET_BLOCK_T, TOPK_WARPS),
                                     decode=(DECODE_TOPK_BLOCK_T, DECODE_TOPK_WARPS), prefill=(TOPK_BLOCK_T, TOPK_WARPS))
     _router_topk_kernel[(triton.cdiv(n_tokens, block_t),)](
-        logits, *tensors, ids, weights, n_tokens, n_experts, *scalars, logits.stride(0), logits.stride(1), stride_hash,
-        N_SPLIT=n_split, BLOCK_T=block_t, **constexprs, num_warps=warps, **pdl_launch(),
+        logits, bias if bias is not None else dummy, token_ids if hashed else dummy,
+        tid2eid if hashed else dummy, ids, weights,
+        n_tokens, n_experts, tid2eid.shape[0] if hashed else 0, float(route_scale),
+        logits.stride(0), logits.stride(1), tid2eid.stride(0) if hashed else 0,
+        N_SPLIT=n_split, TOPK=topk, K_PAD=triton.next_power_of_2(topk), BLOCK_T=block_t,
+        E_PAD=triton.next_power_of_2(n_experts), HAS_BIAS=bias is not None and not hashed, HASH=hashed,
+        num_warps=warps, **pdl_launch(),
     )
     return ids, weights
 
@@ -361,22 +269,6 @@ AOT_SPECS = [
         )
         for block_e, split in ((DECODE_BLOCK_E, LOGITS_SPLITS), (LOGITS_BLOCK_E, LOGITS_SPLITS), (LOGITS_BLOCK_E, 1))
         for platform, targets in PLATFORM_TARGETS.items()
-    ),
-    *(
-        AotSpec(
-            f"router_decode[E={n_experts},hash={hashed},{platform}]", _router_decode_kernel,
-            {"x_ptr": "*bf16", "w_ptr": "*bf16", "partial_ptr": "*fp32", "arrivals_ptr": "*i32", "bias_ptr": "*fp32",
-             "token_ids_ptr": "*i64", "tid2eid_ptr": "*i64", "ids_ptr": "*i32", "weights_ptr": "*fp32",
-             "n_tokens": "i32", "n_experts": "i32", "vocab_size": "i32", "route_scale": "fp32", "stride_xt": "i32",
-             "stride_we": "i32", "stride_ps": "i32", "stride_pt": "i32", "stride_hash": "i32"},
-            {"D_PER_SPLIT": 4096 // LOGITS_SPLITS, "BLOCK_T": LOGITS_BLOCK_T, "BLOCK_E": DECODE_BLOCK_E,
-             "BLOCK_D": logits_step(4096 // LOGITS_SPLITS, platform), "N_SPLIT": LOGITS_SPLITS, "TOPK": 6, "K_PAD": 8,
-             "E_PAD": triton.next_power_of_2(n_experts), "HAS_BIAS": not hashed, "HASH": hashed},
-            num_warps=LOGITS_WARPS, num_stages=LOGITS_STAGES,
-            aligned=("x_ptr", "w_ptr", "partial_ptr", "stride_xt", "stride_we", "stride_ps", "stride_pt"),
-            targets=targets,
-        )
-        for n_experts in (256, 384) for hashed in (False, True) for platform, targets in PLATFORM_TARGETS.items()
     ),
     *(
         AotSpec(

@@ -47,7 +47,6 @@ SCALE_LAYOUTS = ("row_major", "deepgemm")
 TMA_ALIGN_FP32 = 4  # TMA needs 16-byte aligned strides: 4 fp32 scales
 # Elements per program of the per-token kernel: BLOCK_M rows x one scale block (4096 values, 8 KB bf16).
 _TILE_ELEMENTS = 4096
-QUANT_WARPS = 4
 
 
 @triton.jit
@@ -75,13 +74,17 @@ def _quantize_rows(x, scale, out_dtype: tl.constexpr, FP8_MAX: tl.constexpr, MIN
 
 
 @triton.jit
-def quant_tile(
-    x_ptr, q_ptr, s_ptr, pid_m, kb, M, M_PAD, stride_xm, stride_qm, stride_sm, stride_sk,
+def _quant_per_token_kernel(
+    x_ptr, q_ptr, s_ptr,
+    M, M_PAD, stride_xm, stride_qm, stride_sm, stride_sk,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, NATIVE_CAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """Rows [pid_m * BLOCK_M, +BLOCK_M) x channel block kb of x: load, amax, scale, round, store values and scales
-    (also run by the MoE decode kernel that quantizes and permutes in one launch, `moe_permute`)."""
+    """One program = BLOCK_M rows x one block of BLOCK channels: load, amax, scale, round, store."""
+    pdl_wait(PDL)
+    pid_m = tl.program_id(0)
+    kb = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = kb * BLOCK + tl.arange(0, BLOCK)
     valid = rows < M
@@ -92,20 +95,6 @@ def quant_tile(
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=valid[:, None])
     # padding rows (M <= row < M_PAD) of the DeepGEMM layout get scale 0
     tl.store(s_ptr + rows * stride_sm + kb * stride_sk, tl.where(valid, scale, 0.0), mask=rows < M_PAD)
-
-
-@triton.jit
-def _quant_per_token_kernel(
-    x_ptr, q_ptr, s_ptr,
-    M, M_PAD, stride_xm, stride_qm, stride_sm, stride_sk,
-    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, NATIVE_CAST: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """One program = BLOCK_M rows x one block of BLOCK channels (`quant_tile`)."""
-    pdl_wait(PDL)
-    quant_tile(x_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1), M, M_PAD, stride_xm, stride_qm, stride_sm,
-               stride_sk, BLOCK, BLOCK_M, EPS, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO, NATIVE_CAST)
 
 
 @triton.jit(do_not_specialize=["T", "ROWS_TOTAL"])
@@ -253,24 +242,15 @@ def quantize_per_token(
     return quantize_per_token_checked(x, block, f, scale_layout, eps)
 
 
-@dataclass(frozen=True)
-class QuantJob:
-    """One tensor's per-token quantization as `quant_tile` programs: a (row tiles x channel blocks) grid, the
-    pointer and size arguments in kernel order, and the constexprs."""
-
-    grid: tuple[int, int]
-    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # x, q, s
-    sizes: tuple[int, int, int, int, int, int]  # M, M_PAD, stride_xm, stride_qm, stride_sm, stride_sk
-    constexprs: dict[str, object]
-
-    @property
-    def programs(self) -> int:
-        return self.grid[0] * self.grid[1]
-
-
-def quant_job(x: torch.Tensor, block: int, fmt: str | FP8Format, scale_layout: str = "row_major",
-              eps: float = ACT_EPS) -> QuantJob:
-    """Allocate `quantize_per_token`'s outputs for validated arguments and describe the launch that fills them."""
+def quantize_per_token_checked(
+    x: torch.Tensor,
+    block: int,
+    fmt: str | FP8Format,
+    scale_layout: str = "row_major",
+    eps: float = ACT_EPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_token` for callers that have validated its arguments (the FP8 linears: a 2-d bf16 x with a
+    unit last stride, K a multiple of 128, a Numerics act_block, a format the device supports)."""
     f = fp8_format(fmt)
     m, k = x.shape
     q = torch.empty((m, k), dtype=f.dtype, device=x.device)
@@ -283,27 +263,18 @@ def quant_job(x: torch.Tensor, block: int, fmt: str | FP8Format, scale_layout: s
         m_pad = m
         s = torch.empty((m, nb), dtype=torch.float32, device=x.device)
         stride_sm, stride_sk = nb, 1
+    if m_pad == 0 or nb == 0:
+        return q, s
+    prepare_interpreter()
     block_m = _TILE_ELEMENTS // block
-    return QuantJob((cdiv(m_pad, block_m), nb), (x, q, s), (m, m_pad, x.stride(0), k, stride_sm, stride_sk),
-                    {"BLOCK": block, "BLOCK_M": block_m, "EPS": eps, **fp8_constants(f),
-                     "NATIVE_CAST": native_fp8_cast(f, x.device)})
-
-
-def quantize_per_token_checked(
-    x: torch.Tensor,
-    block: int,
-    fmt: str | FP8Format,
-    scale_layout: str = "row_major",
-    eps: float = ACT_EPS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_per_token` for callers that have validated its arguments (the FP8 linears: a 2-d bf16 x with a
-    unit last stride, K a multiple of 128, a Numerics act_block, a format the device supports)."""
-    job = quant_job(x, block, fmt, scale_layout, eps)
-    if job.programs:
-        prepare_interpreter()
-        _quant_per_token_kernel[job.grid](*job.tensors, *job.sizes, **job.constexprs, num_warps=QUANT_WARPS,
-                                          enable_fp_fusion=False, **pdl_launch())
-    return job.tensors[1], job.tensors[2]
+    grid = (cdiv(m_pad, block_m), nb)
+    _quant_per_token_kernel[grid](
+        x, q, s, m, m_pad, x.stride(0), k, stride_sm, stride_sk,
+        BLOCK=block, BLOCK_M=block_m, EPS=eps, **fp8_constants(f), NATIVE_CAST=native_fp8_cast(f, x.device),
+        num_warps=4, enable_fp_fusion=False,
+        **pdl_launch(),
+    )
+    return q, s
 
 
 def check_attn_output_supported(o: torch.Tensor, fmt: str | FP8Format, scale_layout: str) -> FP8Format:
