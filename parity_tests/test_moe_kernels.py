@@ -337,8 +337,7 @@ def test_shared_rows_equal_the_reference_shared_expert(clamp: bool) -> None:
 @pytest.mark.parametrize("numerics", [OFFICIAL, MEGAMOE, EXACT], ids=["official", "megamoe_act_block_32", "exact_bf16"])
 def test_split_k_gemms_add_their_slices_in_order_and_equal_the_whole_k_loop(numerics: Numerics) -> None:
     """Split-K (`GemmConfig.split_k`: each program runs one K slice, the tile's last program to arrive adds the
-    slices in order and runs the epilogue) on both GEMMs of the routed and the shared expert, D 1024 (8 K blocks);
-    and the rotated K loop (`GemmConfig.k_rotate`: column tile n starts at K block n * R), alone and with a split.
+    slices in order and runs the epilogue) on both GEMMs of the routed and the shared expert, D 1024 (8 K blocks).
 
     Against the whole-K launch: the slices only regroup the fp32 sum of the per-block partial products (the
     per-block products, scales and epilogue are the same), so outputs differ at most by fp32 reassociation, which a
@@ -360,12 +359,12 @@ def test_split_k_gemms_add_their_slices_in_order_and_equal_the_whole_k_loop(nume
     routed = {"layout": layout, "topk": ids.shape[1], "gather": True, "topk_weights": topk_weights.reshape(-1),
               "limit": clamp_limit(cfg.swiglu_limit)}
     outputs = {}
-    for split, rotate in ((1, 0), (2, 0), (8, 0), (1, 3), (2, 5)):
-        config = moe_gemm.GemmConfig(16, 128, 4, 1, split, rotate)
+    for split in (1, 2, 8):
+        config = moe_gemm.GemmConfig(16, 128, 4, 1, split)
         h, h_scale = moe_gemm.grouped_gemm(a, a_scale, w.w13.data, w.w13.scale, config=config, swiglu=True,
                                            **routed, **common)
         # the down GEMM's K is I = 256: two K blocks, split 2
-        down = moe_gemm.GemmConfig(16, 128, 4, 1, min(split, 2), rotate)
+        down = moe_gemm.GemmConfig(16, 128, 4, 1, min(split, 2))
         y, _ = moe_gemm.grouped_gemm(h, h_scale, w.w2.data, w.w2.scale, config=down, swiglu=False, layout=layout,
                                      **common)
         hs, hs_scale = moe_gemm.grouped_gemm(a, a_scale, w.shared_w13.data[None], w.shared_w13.scale[None],
@@ -374,15 +373,14 @@ def test_split_k_gemms_add_their_slices_in_order_and_equal_the_whole_k_loop(nume
                                              **common)
         ys, _ = moe_gemm.grouped_gemm(hs, hs_scale, w.shared_w2.data[None], w.shared_w2.scale[None], config=down,
                                       swiglu=False, layout=None, **common)
-        outputs[split, rotate] = (y[layout.slot_row.long()], ys)
+        outputs[split] = (y[layout.slot_row.long()], ys)
     want_rows = _reference_rows(x, ids, topk_weights, w, numerics, cfg)
     want_shared = ref.shared_expert(x, w.shared_w13, w.shared_w2, swiglu_limit=cfg.swiglu_limit, numerics=numerics)
-    for (split, rotate), (rows, shared) in outputs.items():
-        _assert_simulated(rows, want_rows, f"routed rows, split {split}, rotate {rotate}")
-        _assert_simulated(shared, want_shared, f"shared expert, split {split}, rotate {rotate}")
-        for got, whole in zip((rows, shared), outputs[1, 0]):
-            assert calc_diff(got, whole) <= 1e-9, \
-                f"split {split}, rotate {rotate}: not the in-order whole-K sum up to fp32 reassociation"
+    for split, (rows, shared) in outputs.items():
+        _assert_simulated(rows, want_rows, f"routed rows, split {split}")
+        _assert_simulated(shared, want_shared, f"shared expert, split {split}")
+        for got, whole in zip((rows, shared), outputs[1]):
+            assert calc_diff(got, whole) <= 1e-9, f"split {split}: not the whole-K sum up to fp32 reassociation"
     with pytest.raises(ValueError, match=re.escape("config: split_k = 3 must divide the")):
         moe_gemm.grouped_gemm(a, a_scale, w.shared_w13.data[None], w.shared_w13.scale[None],
                               config=moe_gemm.GemmConfig(16, 128, 4, 1, 3), swiglu=True, layout=None, **common)

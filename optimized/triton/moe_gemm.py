@@ -69,18 +69,13 @@ DECODE_BLOCK_M = 16
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tiles of one grouped GEMM launch (BLOCK_M is also the permute alignment).
-
-    `k_rotate` = R > 0: the program of column tile n runs its K blocks starting at block (n * R) mod (blocks of its
-    slice), wrapping around, so that programs that start together read different column offsets of their weight
-    rows; 0 = in order. Only the order of the fp32 additions changes, the same for a tile at any batch."""
+    """Tiles of one grouped GEMM launch (BLOCK_M is also the permute alignment)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     split_k: int = 1
-    k_rotate: int = 0
 
 
 def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: bool = False,
@@ -110,19 +105,14 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
     if interpret:
         return GemmConfig(64 if rows_per_expert <= 64 else 128, min(n_out, 256), 4, 1)
     if rows_per_expert <= DECODE_BLOCK_M:
-        rotate = DECODE_K_ROTATE["gate_up" if swiglu else "down"] if platform == "nvidia" else 0
         if not swiglu:
-            return GemmConfig(DECODE_BLOCK_M, 64, 4, 3, k_rotate=rotate)
-        if platform == "nvidia":
-            return GemmConfig(DECODE_BLOCK_M, 128, 8, 4, k_rotate=rotate)
-        return GemmConfig(DECODE_BLOCK_M, 128, 4, 2)
+            return GemmConfig(DECODE_BLOCK_M, 64, 4, 3)
+        return GemmConfig(DECODE_BLOCK_M, 128, 8, 4) if platform == "nvidia" else GemmConfig(DECODE_BLOCK_M, 128, 4, 2)
     if platform != "nvidia":
         return GemmConfig(64, 128, 8, 2)
     return GemmConfig(64, 128, 8, 4) if swiglu else GemmConfig(64, 128, 4, 3)
 
 
-# Rotated K loops of the NVIDIA decode tiles (`GemmConfig.k_rotate`). EXPERIMENT: to be measured.
-DECODE_K_ROTATE = {"gate_up": 5, "down": 3}
 # Split-K (`split_k_for`): programs per SM a split grid may fill, by GEMM (H200 occupancy: the decode gate/up tile,
 # 8 warps and 104 KB of shared memory, runs one per SM; the 4-warp down tile, 20 KB, several).
 SPLIT_PROGRAMS_PER_SM = {"gate_up": 1, "down": 2}
@@ -234,7 +224,7 @@ def _grouped_gemm_kernel(
     A_FP8: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_BF16: tl.constexpr, ACT_BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-    K_ROTATE: tl.constexpr = 0, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """out[rows, n-tile] of one expert: load tiles, block-scaled accumulate, epilogue, store.
 
@@ -280,13 +270,7 @@ def _grouped_gemm_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_slice: tl.constexpr = K // SPLIT_K
-    k_steps: tl.constexpr = k_slice // BLOCK_K
-    rot = (pid_n * K_ROTATE) % k_steps
-    for i in range(0, k_steps):
-        if K_ROTATE > 0:
-            k0 = pid_k * k_slice + ((i + rot) % k_steps) * BLOCK_K
-        else:
-            k0 = pid_k * k_slice + i * BLOCK_K
+    for k0 in range(pid_k * k_slice, (pid_k + 1) * k_slice, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
         wg = tl.load(wg_ptrs + k0)
         sg = tl.load(sg_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
@@ -396,7 +380,6 @@ def grouped_gemm(
         HAS_WEIGHT=topk_weights is not None, A_FP8=a_fp8, OUT_FP8=out_fp8, GATE_UP_BF16=gate_up_bf16,
         ACT_BLOCK=act_block, BLOCK_K=block_k, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, **fp8_constants(fmt), SPLIT_K=split,
-        K_ROTATE=config.k_rotate,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch(),
     )
@@ -495,7 +478,7 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
         {"K": k, "N": n, "TOPK": 6 if grouped else 1, "GROUPED": grouped, "GATHER": grouped and swiglu,
          "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "OUT_FP8": swiglu, "GATE_UP_BF16": True,
          "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-         "SPLIT_K": config.split_k, "K_ROTATE": config.k_rotate},
+         "SPLIT_K": config.split_k},
         fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned, targets=targets,
     )
 
