@@ -15,6 +15,7 @@ kernels read), the first non-hash layer (`layer_id = n_hash_layers`, biased top-
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from reference.moe import experts as reference_experts
 from reference.moe import route as reference_route
 from reference.numerics import EXACT, OFFICIAL, Numerics
 from reference.weights import Fp8Weight
+
+if TYPE_CHECKING:
+    from optimized.moe import ExpertWeight, TiledFp8Weight
 
 FP32, BF16, INT32 = 4, 2, 4
 # A baseline is checked against the reference on this many leading tokens (or experts) before it is timed.
@@ -43,11 +47,20 @@ class MoEContext:
         numerics: OFFICIAL in the run's FP8 format.
         bf16: lazily built bf16 copies of the experts for the torch baseline ({"w13", "w2"}), or the reason
             they could not be built.
+        tiled: the routed experts in `tile_experts`' layout, which the triton candidates read, as `optimized.MoE`
+            does on NVIDIA GPUs (a copy made at setup, as a deployment makes it at load time); None elsewhere.
     """
 
     weights: MoEWeights
     numerics: Numerics
     bf16: dict[str, torch.Tensor] | str | None = None
+    tiled: tuple[TiledFp8Weight, TiledFp8Weight] | None = None
+
+    def routed_experts(self, backend: str) -> tuple[ExpertWeight, ExpertWeight]:
+        """The routed experts a backend runs on: tiled for the triton backend where `MoE` would tile them."""
+        if backend == "triton" and self.tiled is not None:
+            return self.tiled
+        return self.weights.w13, self.weights.w2
 
     def bf16_experts(self) -> dict[str, torch.Tensor]:
         if self.bf16 is None:
@@ -73,9 +86,14 @@ def _dequantize_bf16(w: Fp8Weight) -> torch.Tensor:
 
 def setup(env: Env) -> MoEContext:
     cfg = env.cfg
+    from optimized.moe import tile_experts, tiling_helps
+
     weights = random_moe_weights(cfg, cfg.n_hash_layers, expert_format="fp8", fmt=env.fmt,
                                  generator=env.generator(salt=11), device=env.device)
-    return MoEContext(weights, OFFICIAL.replace(fp8_format=env.fmt))
+    tiled = None
+    if tiling_helps(torch.device(env.device)):
+        tiled = (tile_experts(weights.w13, env.fmt), tile_experts(weights.w2, env.fmt))
+    return MoEContext(weights, OFFICIAL.replace(fp8_format=env.fmt), tiled=tiled)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -146,10 +164,11 @@ def experts_point(ctx: MoEContext, env: Env, tokens: int) -> Point:
     import optimized
 
     x, ids, tw = _inputs(ctx, env, tokens)
-    w, cfg = ctx.weights, env.cfg
+    cfg = env.cfg
 
     def call(backend: str):
-        return lambda: optimized.experts(x, ids, tw, w.w13, w.w2, swiglu_limit=cfg.swiglu_limit,
+        w13, w2 = ctx.routed_experts(backend)
+        return lambda: optimized.experts(x, ids, tw, w13, w2, swiglu_limit=cfg.swiglu_limit,
                                          numerics=ctx.numerics, backend=backend)
 
     cands = backend_candidates("experts", call)
@@ -171,10 +190,12 @@ def routed_moe_point(ctx: MoEContext, env: Env, tokens: int) -> Point:
     w, cfg = ctx.weights, env.cfg
 
     def call(backend: str):
+        w13, w2 = ctx.routed_experts(backend)
+
         def run() -> torch.Tensor:
             topk_ids, topk_weights = optimized.route(x, w.gate, w.bias, token_ids=None, tid2eid=w.tid2eid, cfg=cfg,
                                                      backend=backend)
-            return optimized.experts(x, topk_ids, topk_weights, w.w13, w.w2, swiglu_limit=cfg.swiglu_limit,
+            return optimized.experts(x, topk_ids, topk_weights, w13, w2, swiglu_limit=cfg.swiglu_limit,
                                      numerics=ctx.numerics, backend=backend)
         return run
 
@@ -192,7 +213,11 @@ def moe_point(ctx: MoEContext, env: Env, tokens: int) -> Point:
     w, cfg = ctx.weights, env.cfg
 
     def call(backend: str):
-        return lambda: optimized.moe(x, w, token_ids=None, cfg=cfg, numerics=ctx.numerics, backend=backend)
+        # the module, with the routed experts the backend runs on (`MoEContext.routed_experts`)
+        layer = optimized.MoE(w, cfg, ctx.numerics, backend=backend, tile=False)
+        if backend == "triton":
+            layer.tiled = ctx.tiled
+        return lambda: layer(x)
 
     work = route_work(env, tokens) + experts_work(ctx, env, tokens, ids) + shared_work(ctx, tokens)
     work = work.with_bytes(work.bytes - tokens * cfg.dim * BF16)  # x is read once

@@ -15,6 +15,10 @@ checks the reference makes (token ids inside the vocabulary, expert ids inside [
 back from the device, on the calls that take ids from the caller: `experts`, and `route` / `moe` of a
 hash layer. A non-hash `moe` takes its ids from its own router and reads nothing back.
 
+Tiled experts (`tile_experts` -> `TiledFp8Weight`, triton backend only): the same FP8 values and scales stored one
+128 x 128 weight block after another, so each K step of a Triton GEMM tile reads one 16 KB run instead of 128 runs
+of 128 bytes 4 KB apart (design note 24). `MoE(...)` tiles its routed experts at construction on NVIDIA GPUs.
+
 MXFP4 experts (the checkpoint format) run on the FP8 kernels after a lossless re-encode to 128x128
 block FP8 (`Fp4Weight.to_fp8`, spec §2.6; SM90 has no FP4 MMA). The re-encoded weight is cached per
 weight object and format (`fp8_experts`), so only the first call pays for it; `MoE(...)` does it at
@@ -24,18 +28,41 @@ construction. The cache holds the FP8 copy (twice the FP4 bytes) for as long as 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from optimized.backends import checking_values, register, select
+from optimized.backends import checking_values, detect, register, select
 from reference.config import DSv4Config
 from reference.formats import FP8Format, fp8_format
 from reference.moe import MoEWeights
 from reference.numerics import OFFICIAL, Numerics
 from reference.weights import FP8_WEIGHT_BLOCK, Fp4Weight, Fp8Weight
 
-ExpertWeight = Fp8Weight | Fp4Weight
+
+@dataclass(frozen=True)
+class TiledFp8Weight:
+    """Stacked FP8 expert weights of logical shape [E, N, K], stored one 128 x 128 weight block after another
+    (`tile_experts`): the triton backend's layout for the routed experts; DeepGEMM and the reference read rows.
+
+    Attributes:
+        data: [E, N / 128, K / 128, 128, 128] FP8; data[e, i, j] is rows 128 i .. 128 i + 127, columns
+            128 j .. 128 j + 127 of expert e (row-major inside the block).
+        scale: [E, N / 128, K / 128] fp32, block (i, j)'s scale (as `Fp8Weight.scale`).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Logical shape [E, N, K]."""
+        e, n_blocks, k_blocks, rows, cols = self.data.shape
+        return (e, n_blocks * rows, k_blocks * cols)
+
+
+ExpertWeight = Fp8Weight | Fp4Weight | TiledFp8Weight
 
 _TRITON = "optimized.triton.moe_pipeline"
 _DEEPGEMM = "optimized.deepgemm.moe"
@@ -61,7 +88,7 @@ _FP8_CACHE: dict[tuple[int, str], tuple[weakref.ref[Fp4Weight], Fp8Weight]] = {}
 def fp8_expert_weight(weight: ExpertWeight, fmt: str | FP8Format) -> Fp8Weight:
     """`weight` as 128x128 block FP8 in `fmt`: FP8 weights as they are; MXFP4 ones re-encoded losslessly
     (spec §2.6), once per weight object and format (cached while the FP4 weight is alive)."""
-    if isinstance(weight, Fp8Weight):
+    if isinstance(weight, (Fp8Weight, TiledFp8Weight)):
         return weight
     name = fp8_format(fmt).name
     key = (id(weight), name)
@@ -73,9 +100,31 @@ def fp8_expert_weight(weight: ExpertWeight, fmt: str | FP8Format) -> Fp8Weight:
     return encoded
 
 
-def fp8_experts(w13: ExpertWeight, w2: ExpertWeight, fmt: str | FP8Format) -> tuple[Fp8Weight, Fp8Weight]:
+def fp8_experts(w13: ExpertWeight, w2: ExpertWeight,
+                fmt: str | FP8Format) -> tuple[Fp8Weight | TiledFp8Weight, Fp8Weight | TiledFp8Weight]:
     """Both expert weights through `fp8_expert_weight`."""
     return fp8_expert_weight(w13, fmt), fp8_expert_weight(w2, fmt)
+
+
+def tile_experts(weight: Fp8Weight | Fp4Weight, fmt: str | FP8Format) -> TiledFp8Weight:
+    """Stacked [E, N, K] expert weights in the tiled layout (`TiledFp8Weight`): a copy, made once at load time.
+
+    MXFP4 weights are re-encoded to FP8 in `fmt` first (losslessly, spec §2.6; not cached); FP8 weights must be in
+    `fmt` already. N and K must be multiples of 128.
+    """
+    if not isinstance(weight, (Fp8Weight, Fp4Weight)):
+        raise TypeError(f"weight: expected Fp8Weight or Fp4Weight, got {type(weight).__name__}")
+    if len(weight.shape) != 3 or weight.shape[1] % FP8_WEIGHT_BLOCK or weight.shape[2] % FP8_WEIGHT_BLOCK:
+        raise ValueError(f"weight: expected stacked [E, N, K] experts with N, K multiples of {FP8_WEIGHT_BLOCK}, "
+                         f"got logical shape {tuple(weight.shape)}")
+    name = fp8_format(fmt).name
+    fp8 = weight.to_fp8(name) if isinstance(weight, Fp4Weight) else weight
+    if fp8.data.dtype != fp8_format(name).dtype:
+        raise ValueError(f"weight: FP8 data in {fp8.data.dtype}, expected {name!r} (fmt)")
+    e, n, k = fp8.data.shape
+    b = FP8_WEIGHT_BLOCK
+    data = fp8.data.view(e, n // b, b, k // b, b).permute(0, 1, 3, 2, 4).contiguous()
+    return TiledFp8Weight(data, fp8.scale.contiguous())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,29 +209,30 @@ def _check_router(x: torch.Tensor, gate_weight: object, bias: object, token_ids:
 
 def _check_weight(name: str, w: object, shape: tuple[int, ...], device: torch.device, numerics: Numerics,
                   allow_fp4: bool) -> None:
-    """An `Fp8Weight` (in numerics' FP8 format) or, where allowed, `Fp4Weight` of logical `shape` on `device`."""
-    allowed = (Fp8Weight, Fp4Weight) if allow_fp4 else (Fp8Weight,)
+    """An `Fp8Weight` (in numerics' FP8 format) or, where allowed (routed experts), `Fp4Weight` or `TiledFp8Weight` of
+    logical `shape` on `device`."""
+    allowed = (Fp8Weight, Fp4Weight, TiledFp8Weight) if allow_fp4 else (Fp8Weight,)
     if not isinstance(w, allowed):
         raise TypeError(f"{name}: expected {' or '.join(t.__name__ for t in allowed)}, got {type(w).__name__}")
     if tuple(w.shape) != shape:
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(w.shape)}")
     if shape[-2] % FP8_WEIGHT_BLOCK or shape[-1] % FP8_WEIGHT_BLOCK:
         raise ValueError(f"{name}: dims {shape[-2:]} must be multiples of {FP8_WEIGHT_BLOCK} (the FP8 weight block)")
-    parts = {"data": w.data, "scale": w.scale} if isinstance(w, Fp8Weight) else {"packed": w.packed, "scale": w.scale}
+    parts = {"packed": w.packed, "scale": w.scale} if isinstance(w, Fp4Weight) else {"data": w.data, "scale": w.scale}
     for part, t in parts.items():
         if t.device != device:
             raise ValueError(f"{name}.{part}: expected a tensor on {device} (x's device), got one on {t.device}")
         if not t.is_contiguous():
             raise ValueError(f"{name}.{part}: expected a contiguous tensor, got strides {tuple(t.stride())}")
-    if isinstance(w, Fp8Weight) and w.data.dtype != fp8_format(numerics.fp8_format).dtype:
+    if not isinstance(w, Fp4Weight) and w.data.dtype != fp8_format(numerics.fp8_format).dtype:
         raise ValueError(f"{name}: FP8 weights in {w.data.dtype} do not match numerics.fp8_format "
                          f"{numerics.fp8_format!r} (the activations' format)")
 
 
 def _check_expert_pair(x: torch.Tensor, w13: object, w2: object, numerics: Numerics) -> int:
     """The routed experts' [E, 2I, D] and [E, D, I] weights; returns E."""
-    if not isinstance(w13, (Fp8Weight, Fp4Weight)):
-        raise TypeError(f"w13: expected Fp8Weight or Fp4Weight, got {type(w13).__name__}")
+    if not isinstance(w13, (Fp8Weight, Fp4Weight, TiledFp8Weight)):
+        raise TypeError(f"w13: expected Fp8Weight, Fp4Weight or TiledFp8Weight, got {type(w13).__name__}")
     if len(w13.shape) != 3:
         raise ValueError(f"w13: expected a stacked [E, 2I, D] weight, got logical shape {tuple(w13.shape)}")
     n_experts, two_inter, dim = w13.shape[0], w13.shape[1], x.shape[1]
@@ -191,6 +241,18 @@ def _check_expert_pair(x: torch.Tensor, w13: object, w2: object, numerics: Numer
     if type(w13) is not type(w2):
         raise TypeError(f"w13, w2: expected the same format, got {type(w13).__name__} and {type(w2).__name__}")
     return n_experts
+
+
+def tiling_helps(device: torch.device) -> bool:
+    """Whether `MoE` tiles its routed experts on `device`: NVIDIA GPUs, where it was measured (design note 24)."""
+    return device.type == "cuda" and detect().device == "cuda"
+
+
+def _check_tiled_backend(backend: str, w13: object) -> None:
+    """`TiledFp8Weight` experts run on the triton backend only (DeepGEMM and the reference read [E, N, K] rows)."""
+    if isinstance(w13, TiledFp8Weight) and backend != "triton":
+        raise TypeError(f"w13: TiledFp8Weight experts run on the triton backend only, got backend {backend!r}; pass "
+                        "the Fp8Weight they were tiled from")
 
 
 def _rows_repeat(ids: torch.Tensor) -> torch.Tensor:
@@ -288,7 +350,8 @@ def experts(
         x: [T, D] bf16, last dim contiguous.
         topk_ids: [T, k] int32/int64, values in [-1, E).
         topk_weights: [T, k] floating point.
-        w13: [E, 2I, D] `Fp8Weight` (in `numerics.fp8_format`) or `Fp4Weight` (re-encoded to FP8, cached).
+        w13: [E, 2I, D] `Fp8Weight` (in `numerics.fp8_format`), `Fp4Weight` (re-encoded to FP8, cached) or
+            `TiledFp8Weight` (triton backend only).
         w2: [E, D, I], the same format.
         swiglu_limit: the clamp L (<= 0: none).
         numerics: `act_quant`, `act_block`, `fp8_format`, `gate_up_bf16`.
@@ -301,6 +364,7 @@ def experts(
     numerics = _check_numerics(numerics)
     repeated = _check_experts(x, topk_ids, topk_weights, w13, w2, numerics)
     impl = select("experts", backend, ("x", x.device))
+    _check_tiled_backend(impl.backend, w13)
     # DeepGEMM's masked layout (decode) gives each expert T rows: a row that repeats an id needs the contiguous one
     extra = {"layout": "contiguous"} if impl.backend == "deepgemm" and repeated else {}
     return impl.load()(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, numerics=numerics, **extra)
@@ -317,7 +381,8 @@ def moe(
 
     Args:
         x: [T, D] bf16 (the `ffn_norm` output), last dim contiguous.
-        weights: the layer's `MoEWeights` (FP8 weights in `numerics.fp8_format`, or MXFP4 experts).
+        weights: the layer's `MoEWeights` (FP8 weights in `numerics.fp8_format`, or MXFP4 experts; routed experts
+            may be `TiledFp8Weight` on the triton backend).
         token_ids: [T] int32/int64, required by hash layers.
         cfg: model config.
         numerics: quantization simulation switches.
@@ -326,22 +391,31 @@ def moe(
     Returns:
         [T, D] bf16.
     """
-    x = _check_x(x)
-    numerics = _check_numerics(numerics)
+    return _moe(_check_x(x), weights, token_ids, cfg, _check_numerics(numerics), backend, None)
+
+
+def _moe(x: torch.Tensor, weights: MoEWeights, token_ids: torch.Tensor | None, cfg: DSv4Config, numerics: Numerics,
+         backend: str | None, tiled: tuple[TiledFp8Weight, TiledFp8Weight] | None) -> torch.Tensor:
+    """`moe` after its argument checks; `tiled`: the routed experts of `weights` tiled (`MoE` on the triton backend)."""
     repeated = _check_moe(x, weights, token_ids, cfg, numerics)
     impl = select("moe", backend, ("x", x.device))
     extra = {"layout": "contiguous"} if impl.backend == "deepgemm" and repeated else {}
+    if tiled is not None and impl.backend == "triton":
+        extra = {"routed": tiled}
     return impl.load()(x, weights, token_ids=token_ids, cfg=cfg, numerics=numerics, **extra)
 
 
 class MoE(nn.Module):
     """DSv4's MoE layer as a module: holds the weights, config, numerics and backend; `forward` calls `moe`.
 
-    MXFP4 experts are re-encoded to FP8 here, once (unless the backend is the reference).
+    At construction (unless the backend is the reference) MXFP4 experts are re-encoded to FP8 once; on the triton
+    backend of an NVIDIA GPU the routed experts are tiled (`tile_experts`) into a copy the module holds (`tile=False`
+    keeps the row layout and no copy). `forward` on another backend (`backend=None` resolving elsewhere) uses the
+    rows of `weights`.
     """
 
     def __init__(self, weights: MoEWeights, cfg: DSv4Config, numerics: Numerics = OFFICIAL,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, tile: bool = True) -> None:
         super().__init__()
         if not isinstance(weights, MoEWeights):
             raise TypeError(f"weights: expected MoEWeights, got {type(weights).__name__}")
@@ -349,9 +423,13 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.numerics = _check_numerics(numerics)
         self.backend = backend
-        if select("moe", backend, ("weights", weights.gate.device)).backend != "reference":
+        self.tiled: tuple[TiledFp8Weight, TiledFp8Weight] | None = None
+        chosen = select("moe", backend, ("weights", weights.gate.device)).backend
+        if chosen != "reference":
             fp8_experts(weights.w13, weights.w2, numerics.fp8_format)
+        if tile and chosen == "triton" and tiling_helps(weights.gate.device):
+            self.tiled = (tile_experts(weights.w13, numerics.fp8_format), tile_experts(weights.w2, numerics.fp8_format))
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, D] bf16, token_ids: [T] int (hash layers) -> [T, D] bf16."""
-        return moe(x, self.weights, token_ids=token_ids, cfg=self.cfg, numerics=self.numerics, backend=self.backend)
+        return _moe(_check_x(x), self.weights, token_ids, self.cfg, self.numerics, self.backend, self.tiled)

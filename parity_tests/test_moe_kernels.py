@@ -496,6 +496,34 @@ def test_moe_equals_the_reference_and_the_module_equals_the_function(layer: int,
     _assert_bitwise(int((layer_module(x, token_ids) != cand).sum()), "MoE module vs moe()")
 
 
+@needs_triton
+@pytest.mark.parametrize("numerics", [OFFICIAL, MEGAMOE, EXACT], ids=["official", "megamoe_act_block_32", "exact_bf16"])
+def test_tiled_experts_hold_the_same_blocks_and_give_the_row_layouts_outputs_bitwise(numerics: Numerics) -> None:
+    """`tile_experts`: block (i, j) of expert e is `data[e, i, j]`, the scales are the weight's, an MXFP4 weight is
+    tiled from its lossless FP8 re-encode. The Triton GEMMs read the same values and scales in the same order from
+    either layout (only the addresses differ), so `experts` and the `MoE` module give the same bits."""
+    fmt = numerics.fp8_format
+    w = _weights(fmt=fmt)
+    t13, t2 = omoe.tile_experts(w.w13, fmt), omoe.tile_experts(w.w2, fmt)
+    assert t13.shape == tuple(w.w13.shape) and t2.shape == tuple(w.w2.shape)
+    assert torch.equal(t13.data[3, 2, 1], w.w13.data[3, 256:384, 128:256]), "block (2, 1) of expert 3"
+    assert torch.equal(t2.data[5, 1, 0], w.w2.data[5, 128:256, :128]), "block (1, 0) of expert 5"
+    assert torch.equal(t13.scale, w.w13.scale)
+    w4 = _weights(expert_format="fp4", fmt=fmt)
+    assert torch.equal(omoe.tile_experts(w4.w13, fmt).data, omoe.tile_experts(w4.w13.to_fp8(fmt), fmt).data)
+
+    x = _x(9)
+    ids, topk_weights = ref.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=SMALL)
+    common = {"swiglu_limit": SMALL.swiglu_limit, "numerics": numerics, "backend": "triton"}
+    rows = omoe.experts(x, ids, topk_weights, w.w13, w.w2, **common)
+    _assert_bitwise(int((omoe.experts(x, ids, topk_weights, t13, t2, **common) != rows).sum()), "tiled experts")
+    layer = omoe.MoE(w, SMALL, numerics, backend="triton")
+    assert layer.tiled is None, "MoE tiles on NVIDIA GPUs only (where it was measured)"
+    want = layer(x)
+    layer.tiled = (t13, t2)
+    _assert_bitwise(int((layer(x) != want).sum()), "MoE module on tiled experts")
+
+
 def test_fp4_experts_are_reencoded_once_per_weight_and_released_with_it() -> None:
     w = _weights(expert_format="fp4")
     first = omoe.fp8_expert_weight(w.w13, "e4m3fn")
@@ -519,12 +547,14 @@ def _bad_calls() -> list[tuple[str, object, type[Exception], str]]:
     ids = torch.zeros((4, 4), dtype=torch.int32)
     tw = torch.ones(4, 4)
     tok = torch.arange(4)
+    t13, t2 = omoe.tile_experts(w.w13, "e4m3fn"), omoe.tile_experts(w.w2, "e4m3fn")
 
     def experts(**kw):
         args = dict(x=x, topk_ids=ids, topk_weights=tw, w13=w.w13, w2=w.w2)
         args.update(kw)
         return lambda: omoe.experts(args["x"], args["topk_ids"], args["topk_weights"], args["w13"], args["w2"],
-                                    swiglu_limit=10.0, numerics=kw.get("numerics", OFFICIAL))
+                                    swiglu_limit=10.0, numerics=kw.get("numerics", OFFICIAL),
+                                    backend=kw.get("backend"))
 
     def route(**kw):
         args = dict(x=x, gate=w.gate, bias=w.bias, token_ids=None, tid2eid=None, cfg=SMALL)
@@ -542,7 +572,16 @@ def _bad_calls() -> list[tuple[str, object, type[Exception], str]]:
         ("topk_ids_below_minus_one", experts(topk_ids=ids - 2), ValueError, "topk_ids: expected values in [-1, 8)"),
         ("topk_weights_shape", experts(topk_weights=tw[:, :2]), ValueError, "topk_weights: expected (4, 4)"),
         ("topk_ids_other_device", experts(topk_ids=ids.to("meta")), ValueError, "topk_ids: expected a tensor on cpu"),
-        ("w13_not_a_weight", experts(w13=w.w13.data), TypeError, "w13: expected Fp8Weight or Fp4Weight"),
+        ("w13_not_a_weight", experts(w13=w.w13.data), TypeError, "w13: expected Fp8Weight, Fp4Weight or TiledFp8"),
+        ("tiled_experts_on_the_reference", experts(w13=t13, w2=t2, backend="reference"), TypeError,
+         "w13: TiledFp8Weight experts run on the triton backend only"),
+        ("tiled_w13_with_row_w2", experts(w13=t13), TypeError, "the same format"),
+        ("tile_experts_not_stacked", lambda: omoe.tile_experts(w.shared_w13, "e4m3fn"), ValueError,
+         "weight: expected stacked [E, N, K] experts"),
+        ("tile_experts_other_format", lambda: omoe.tile_experts(w.w13, "e4m3fnuz"), ValueError,
+         "weight: FP8 data in torch.float8_e4m3fn, expected 'e4m3fnuz'"),
+        ("tile_experts_not_a_weight", lambda: omoe.tile_experts(w.w13.data, "e4m3fn"), TypeError,
+         "weight: expected Fp8Weight or Fp4Weight"),
         ("w2_wrong_shape", experts(w2=w.w13), ValueError, "w2: expected shape"),
         ("fp8_format_mismatch", experts(numerics=OFFICIAL.replace(fp8_format="e4m3fnuz")), ValueError,
          "do not match numerics.fp8_format"),
@@ -597,7 +636,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 
 def _gpu_backends() -> list[tuple[str, str | None]]:
-    return [("triton", None), ("deepgemm", "masked"), ("deepgemm", "contiguous")]
+    return [("triton", None), ("triton", "tiled"), ("deepgemm", "masked"), ("deepgemm", "contiguous")]
 
 
 def _gpu_layer(backend: str, tokens: int, seed: int) -> tuple[ref.MoEWeights, torch.Tensor]:
@@ -615,8 +654,8 @@ def _gpu_layer(backend: str, tokens: int, seed: int) -> tuple[ref.MoEWeights, to
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 64, 512])
-@pytest.mark.parametrize(("backend", "layout"), _gpu_backends(), ids=["triton", "deepgemm_masked",
-                                                                       "deepgemm_contiguous"])
+@pytest.mark.parametrize(("backend", "layout"), _gpu_backends(), ids=["triton", "triton_tiled_experts",
+                                                                       "deepgemm_masked", "deepgemm_contiguous"])
 def test_gpu_experts_match_the_reference_are_deterministic_and_confine_nan(tokens: int, backend: str,
                                                                            layout: str | None) -> None:
     device, cfg = "cuda", GPU_CFG
@@ -631,9 +670,16 @@ def test_gpu_experts_match_the_reference_are_deterministic_and_confine_nan(token
         def run() -> torch.Tensor:
             return dg.experts(x, ids, topk_weights, w.w13, w.w2, **kw, layout=layout)
     else:
+        # "tiled": the experts in `tile_experts`' layout, which must give the row layout's bits
+        w13, w2 = ((omoe.tile_experts(w.w13, "e4m3fn"), omoe.tile_experts(w.w2, "e4m3fn")) if layout == "tiled"
+                   else (w.w13, w.w2))
+
         def run() -> torch.Tensor:
-            return omoe.experts(x, ids, topk_weights, w.w13, w.w2, **kw, backend=backend)
+            return omoe.experts(x, ids, topk_weights, w13, w2, **kw, backend=backend)
     cand = run()
+    if layout == "tiled":
+        rows = omoe.experts(x, ids, topk_weights, w.w13, w.w2, **kw, backend=backend)
+        _assert_bitwise(int((rows.view(torch.int16) != cand.view(torch.int16)).sum()), "tiled vs row layout")
     _assert_bitwise(int((run().view(torch.int16) != cand.view(torch.int16)).sum()), "rerun")
     want = ref.experts(x, ids, topk_weights, w.w13, w.w2, **kw)
     others = torch.arange(tokens, device=device) != nan_token

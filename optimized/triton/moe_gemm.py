@@ -224,7 +224,7 @@ def _grouped_gemm_kernel(
     A_FP8: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_BF16: tl.constexpr, ACT_BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
+    W_TILED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """out[rows, n-tile] of one expert: load tiles, block-scaled accumulate, epilogue, store.
 
@@ -261,8 +261,12 @@ def _grouped_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    wg_ptrs = w_base + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-    wu_ptrs = wg_ptrs + N * stride_wn  # up rows I + n (gate/up GEMM only)
+    if W_TILED:  # w: [E, rows / 128, K / 128, 128, 128], 128 x 128 blocks contiguous (`optimized.moe.tile_experts`)
+        w_rows = (offs_n // WEIGHT_BLOCK) * (K * WEIGHT_BLOCK) + (offs_n % WEIGHT_BLOCK) * WEIGHT_BLOCK
+    else:
+        w_rows = offs_n * stride_wn
+    wg_ptrs = w_base + w_rows.to(tl.int64)[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    wu_ptrs = wg_ptrs + N * stride_wn  # up rows I + n (gate/up GEMM only); stride_wn = K when tiled
     ws_base = w_scale_ptr + expert * stride_wse
     sg_ptrs = ws_base + (offs_n // WEIGHT_BLOCK) * stride_wsn
     su_ptrs = ws_base + ((N + offs_n) // WEIGHT_BLOCK) * stride_wsn
@@ -272,7 +276,12 @@ def _grouped_gemm_kernel(
     k_slice: tl.constexpr = K // SPLIT_K
     for k0 in range(pid_k * k_slice, (pid_k + 1) * k_slice, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
-        wg = tl.load(wg_ptrs + k0)
+        if W_TILED:
+            # block k0 // 128 starts 128 x 128 bytes after the previous one; k0 % 128 within its rows
+            kw = k0 + (k0 // WEIGHT_BLOCK) * (WEIGHT_BLOCK * (WEIGHT_BLOCK - 1))
+        else:
+            kw = k0
+        wg = tl.load(wg_ptrs + kw)
         sg = tl.load(sg_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
         if A_FP8:
             sa = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // ACT_BLOCK) * stride_ask, mask=valid, other=0.0)
@@ -280,7 +289,7 @@ def _grouped_gemm_kernel(
         else:  # EXACT: bf16 activation x the weight's FP8 values (exact in bf16); fp32 products and sums
             acc_g += tl.dot(a, wg.to(tl.bfloat16)) * sg[None, :]
         if SWIGLU:
-            wu = tl.load(wu_ptrs + k0)
+            wu = tl.load(wu_ptrs + kw)
             su = tl.load(su_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
             if A_FP8:
                 acc_u += tl.dot(a, wu) * sa[:, None] * su[None, :]
@@ -327,7 +336,8 @@ def grouped_gemm(
     Args:
         a: A operand: [T, K] token rows (`gather`: row of slot s is `s // topk`), or [n_rows, K] rows in
             layout order; FP8 (with `a_scale` [.., K / act_block] fp32, any strides) or bf16 (EXACT, no scale).
-        w, w_scale: [E, 2N or N, K] FP8 and [E, ., K / 128] fp32 (E = 1 for the shared expert).
+        w, w_scale: [E, 2N or N, K] FP8, or the same tiled ([E, ., K / 128, 128, 128]: `optimized.moe.tile_experts`),
+            and [E, ., K / 128] fp32 (E = 1 for the shared expert).
         layout: expert-sorted rows from `permute(..., align=config.block_m)`; None: rows = a's rows, expert 0.
         config: tiles.
         swiglu: gate/up GEMM with the fused epilogue (output width N = w.shape[1] / 2), else down GEMM.
@@ -348,8 +358,9 @@ def grouped_gemm(
     if layout is not None and layout.align != config.block_m:
         raise ValueError(f"layout: rows aligned to {layout.align}, but the GEMM's BLOCK_M is {config.block_m}")
     n_rows = layout.n_rows if layout is not None else a.shape[0]
-    k_dim = w.shape[2]
-    n_out = w.shape[1] // 2 if swiglu else w.shape[1]
+    tiled = w.dim() == 5
+    w_rows, k_dim = (w.shape[1] * w.shape[3], w.shape[2] * w.shape[4]) if tiled else (w.shape[1], w.shape[2])
+    n_out = w_rows // 2 if swiglu else w_rows
     out_fp8 = swiglu and a_fp8
     out = torch.empty((n_rows, n_out), dtype=fmt.dtype if out_fp8 else torch.bfloat16, device=a.device)
     out_scale = (torch.empty((n_rows, n_out // act_block), dtype=torch.float32, device=a.device)
@@ -374,12 +385,12 @@ def grouped_gemm(
         topk_weights if topk_weights is not None else dummy, partial, arrivals,
         n_rows, float(limit), partial.stride(0) if split > 1 else 0,
         a.stride(0), a_scale.stride(0) if a_fp8 else 0, a_scale.stride(1) if a_fp8 else 0,
-        w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
+        w.stride(0), k_dim if tiled else w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
         out.stride(0), out_scale.stride(0) if out_fp8 else 0, out_scale.stride(1) if out_fp8 else 0,
         K=k_dim, N=n_out, TOPK=topk, GROUPED=layout is not None, GATHER=gather, SWIGLU=swiglu,
         HAS_WEIGHT=topk_weights is not None, A_FP8=a_fp8, OUT_FP8=out_fp8, GATE_UP_BF16=gate_up_bf16,
         ACT_BLOCK=act_block, BLOCK_K=block_k, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, **fp8_constants(fmt), SPLIT_K=split,
+        BLOCK_N=config.block_n, **fp8_constants(fmt), SPLIT_K=split, W_TILED=tiled,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch(),
     )
@@ -466,7 +477,7 @@ def _gemm_signature(a: str) -> dict[str, str]:
 
 
 def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, grouped: bool,
-              act_block: int = 128, targets: tuple[str, ...] = ALL_TARGETS) -> AotSpec:
+              act_block: int = 128, targets: tuple[str, ...] = ALL_TARGETS, tiled: bool = False) -> AotSpec:
     signature = _gemm_signature("*{fp8}")
     if not swiglu:
         signature["out_ptr"] = "*bf16"
@@ -478,16 +489,16 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
         {"K": k, "N": n, "TOPK": 6 if grouped else 1, "GROUPED": grouped, "GATHER": grouped and swiglu,
          "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "OUT_FP8": swiglu, "GATE_UP_BF16": True,
          "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-         "SPLIT_K": config.split_k},
+         "SPLIT_K": config.split_k, "W_TILED": tiled},
         fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned, targets=targets,
     )
 
 
 def _per_platform(name: str, label: str, rows_per_expert: int, k: int, n: int, swiglu: bool, grouped: bool,
-                  act_block: int = 128) -> list[AotSpec]:
+                  act_block: int = 128, tiled: bool = False) -> list[AotSpec]:
     """The launch at `rows_per_expert` with each platform's tiles, on that platform's targets."""
     return [_aot_gemm(f"{name}[{label},{platform}]", choose_config(rows_per_expert, n, swiglu, platform=platform), k,
-                      n, swiglu, grouped, act_block, targets)
+                      n, swiglu, grouped, act_block, targets, tiled)
             for platform, targets in PLATFORM_TARGETS.items()]
 
 
@@ -509,6 +520,11 @@ AOT_SPECS = [
     _aot_gemm("moe_shared_down[T=1,split=4]", split_k_for(choose_config(1, 4096, False), 1, 4096, 2048, 132, False),
               2048, 4096, False, False),
     *_per_platform("moe_gate_up", "rows/expert=128,act_block=32", 128, 4096, 2048, True, True, act_block=32),
+    # tiled experts (`optimized.moe.tile_experts`): decode and prefill tiles of both routed GEMMs
+    *_per_platform("moe_gate_up", "rows/expert=1,tiled", 1, 4096, 2048, True, True, tiled=True),
+    *_per_platform("moe_down", "rows/expert=1,tiled", 1, 2048, 4096, False, True, tiled=True),
+    *_per_platform("moe_gate_up", "rows/expert=128,tiled", 128, 4096, 2048, True, True, tiled=True),
+    *_per_platform("moe_down", "rows/expert=128,tiled", 128, 2048, 4096, False, True, tiled=True),
     AotSpec(
         "moe_swiglu_quant", _swiglu_quant_kernel,
         {"h_ptr": "*bf16", "slot_row_ptr": "*i32", "topk_w_ptr": "*fp32", "out_ptr": "*{fp8}",

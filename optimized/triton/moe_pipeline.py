@@ -14,6 +14,8 @@ returns without launching a kernel when T = 0.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from optimized.backends import detect
@@ -27,6 +29,9 @@ from reference.config import DSv4Config
 from reference.moe import MoEWeights
 from reference.numerics import Numerics
 from reference.weights import Fp4Weight, Fp8Weight
+
+if TYPE_CHECKING:
+    from optimized.moe import TiledFp8Weight
 
 
 def clamp_limit(swiglu_limit: float) -> float:
@@ -56,31 +61,34 @@ def activation(x: torch.Tensor, numerics: Numerics, scale_layout: str = "row_maj
     return quantize_per_token(x, numerics.act_block, numerics.fp8_format, scale_layout=scale_layout)
 
 
-def _tiles(rows_per_expert: float, w13: torch.Tensor, w2: torch.Tensor) -> tuple[GemmConfig, GemmConfig]:
-    """The gate/up and down GEMMs' tiles (`choose_config`) for weights [.., 2I, D] and [.., D, I]."""
+Shape = tuple[int, ...]
+
+
+def _tiles(rows_per_expert: float, w13: Shape, w2: Shape) -> tuple[GemmConfig, GemmConfig]:
+    """The gate/up and down GEMMs' tiles (`choose_config`) for weights of logical shapes [.., 2I, D] and [.., D, I]."""
     interpret, platform = detect().interpret, tile_platform()
-    return (choose_config(rows_per_expert, w13.shape[-2] // 2, swiglu=True, interpret=interpret, platform=platform),
-            choose_config(rows_per_expert, w2.shape[-2], swiglu=False, interpret=interpret, platform=platform))
+    return (choose_config(rows_per_expert, w13[-2] // 2, swiglu=True, interpret=interpret, platform=platform),
+            choose_config(rows_per_expert, w2[-2], swiglu=False, interpret=interpret, platform=platform))
 
 
-def _split_k(gate_up: GemmConfig, down: GemmConfig, n_rows: int, w13: torch.Tensor, w2: torch.Tensor,
+def _split_k(gate_up: GemmConfig, down: GemmConfig, n_rows: int, w13: Shape, w2: Shape,
              device: torch.device) -> tuple[GemmConfig, GemmConfig]:
-    """Both tiles with `split_k_for`'s K split for a grid of `n_rows` rows."""
+    """Both tiles with `split_k_for`'s K split for a grid of `n_rows` rows (weights of logical shapes w13, w2)."""
     platform, sms = tile_platform(), num_sms(device)
-    return (split_k_for(gate_up, n_rows, w13.shape[-2] // 2, w13.shape[-1], sms, True, platform),
-            split_k_for(down, n_rows, w2.shape[-2], w2.shape[-1], sms, False, platform))
+    return (split_k_for(gate_up, n_rows, w13[-2] // 2, w13[-1], sms, True, platform),
+            split_k_for(down, n_rows, w2[-2], w2[-1], sms, False, platform))
 
 
 def routed_rows(
     a: torch.Tensor, a_scale: torch.Tensor | None, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13: Fp8Weight, w2: Fp8Weight, *, swiglu_limit: float, numerics: Numerics,
+    w13: Fp8Weight | TiledFp8Weight, w2: Fp8Weight | TiledFp8Weight, *, swiglu_limit: float, numerics: Numerics,
 ) -> tuple[torch.Tensor, MoeLayout]:
     """The routed experts' outputs, one bf16 row per (token, slot) in the expert-sorted layout.
 
     Args:
         a, a_scale: the activation of `activation(x)`.
         topk_ids: [T, k] int32 contiguous; topk_weights: [T, k] fp32 contiguous.
-        w13, w2: [E, 2I, D] and [E, D, I] FP8 experts in `numerics.fp8_format`.
+        w13, w2: [E, 2I, D] and [E, D, I] FP8 experts in `numerics.fp8_format`, row-major or tiled.
 
     Returns:
         y [n_rows, D] bf16 and the layout that maps slots to its rows.
@@ -89,9 +97,9 @@ def routed_rows(
     n_experts = w13.data.shape[0]
     n_slots = n_tokens * topk
     rows_per_expert = n_slots / max(min(n_experts, n_slots), 1)
-    gate_up, down = _tiles(rows_per_expert, w13.data, w2.data)
+    gate_up, down = _tiles(rows_per_expert, w13.shape, w2.shape)
     layout = permute(topk_ids, n_experts, align=gate_up.block_m)
-    gate_up, down = _split_k(gate_up, down, layout.n_rows, w13.data, w2.data, a.device)
+    gate_up, down = _split_k(gate_up, down, layout.n_rows, w13.shape, w2.shape, a.device)
     common = {"layout": layout, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
     h, h_scale = grouped_gemm(a, a_scale, w13.data, w13.scale, config=gate_up, swiglu=True, topk=topk, gather=True,
                               topk_weights=topk_weights.reshape(-1), limit=clamp_limit(swiglu_limit),
@@ -108,7 +116,7 @@ def shared_rows(
     n_tokens = a.shape[0]
     limit = clamp_limit(swiglu_limit if numerics.shared_expert_clamp else 0.0)
     common = {"layout": None, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
-    gate_up, down = _split_k(*_tiles(n_tokens, w13.data, w2.data), n_tokens, w13.data, w2.data, a.device)
+    gate_up, down = _split_k(*_tiles(n_tokens, w13.shape, w2.shape), n_tokens, w13.shape, w2.shape, a.device)
     h, h_scale = grouped_gemm(a, a_scale, w13.data[None], w13.scale[None], config=gate_up, swiglu=True, limit=limit,
                               gate_up_bf16=numerics.gate_up_bf16, **common)
     y, _ = grouped_gemm(h, h_scale, w2.data[None], w2.scale[None], config=down, swiglu=False, **common)
@@ -116,8 +124,8 @@ def shared_rows(
 
 
 def experts(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: Fp8Weight | Fp4Weight,
-    w2: Fp8Weight | Fp4Weight, *, swiglu_limit: float, numerics: Numerics,
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: Fp8Weight | Fp4Weight | TiledFp8Weight,
+    w2: Fp8Weight | Fp4Weight | TiledFp8Weight, *, swiglu_limit: float, numerics: Numerics,
 ) -> torch.Tensor:
     """`reference.moe.experts` on Triton kernels: [T, D] bf16."""
     from optimized.moe import fp8_experts
@@ -134,13 +142,17 @@ def experts(
 
 def moe(
     x: torch.Tensor, weights: MoEWeights, *, token_ids: torch.Tensor | None, cfg: DSv4Config, numerics: Numerics,
+    routed: tuple[TiledFp8Weight, TiledFp8Weight] | None = None,
 ) -> torch.Tensor:
-    """`reference.moe.moe` on Triton kernels: route, routed experts, shared expert; [T, D] bf16."""
+    """`reference.moe.moe` on Triton kernels: route, routed experts, shared expert; [T, D] bf16.
+
+    routed: the routed experts of `weights` tiled (`optimized.moe.tile_experts`), used in their place.
+    """
     from optimized.moe import fp8_experts
 
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    w13, w2 = fp8_experts(weights.w13, weights.w2, numerics.fp8_format)
+    w13, w2 = routed if routed is not None else fp8_experts(weights.w13, weights.w2, numerics.fp8_format)
     ids, topk_weights = route(x, weights.gate, weights.bias, token_ids=token_ids, tid2eid=weights.tid2eid, cfg=cfg)
     a, a_scale = activation(x, numerics)
     y, layout = routed_rows(a, a_scale, ids, topk_weights, w13, w2, swiglu_limit=cfg.swiglu_limit, numerics=numerics)
