@@ -55,6 +55,15 @@ class TiledFp8Weight:
     data: torch.Tensor
     scale: torch.Tensor
 
+    def __post_init__(self) -> None:
+        fp8_format(self.data.dtype)  # raises on a non-FP8 dtype
+        b = FP8_WEIGHT_BLOCK
+        if self.data.dim() != 5 or tuple(self.data.shape[3:]) != (b, b):
+            raise ValueError(f"data: expected [E, N / {b}, K / {b}, {b}, {b}] FP8 blocks, got {tuple(self.data.shape)}")
+        if tuple(self.scale.shape) != tuple(self.data.shape[:3]) or self.scale.dtype != torch.float32:
+            raise ValueError(f"scale: expected {tuple(self.data.shape[:3])} fp32 (one per block of data), got "
+                             f"{tuple(self.scale.shape)} {self.scale.dtype}")
+
     @property
     def shape(self) -> tuple[int, int, int]:
         """Logical shape [E, N, K]."""
@@ -85,9 +94,9 @@ for _op in ("experts", "moe"):
 _FP8_CACHE: dict[tuple[int, str], tuple[weakref.ref[Fp4Weight], Fp8Weight]] = {}
 
 
-def fp8_expert_weight(weight: ExpertWeight, fmt: str | FP8Format) -> Fp8Weight:
-    """`weight` as 128x128 block FP8 in `fmt`: FP8 weights as they are; MXFP4 ones re-encoded losslessly
-    (spec §2.6), once per weight object and format (cached while the FP4 weight is alive)."""
+def fp8_expert_weight(weight: ExpertWeight, fmt: str | FP8Format) -> Fp8Weight | TiledFp8Weight:
+    """`weight` as 128x128 block FP8 in `fmt`: FP8 weights (rows or tiled) as they are; MXFP4 ones re-encoded
+    losslessly (spec §2.6), once per weight object and format (cached while the FP4 weight is alive)."""
     if isinstance(weight, (Fp8Weight, TiledFp8Weight)):
         return weight
     name = fp8_format(fmt).name
