@@ -5,8 +5,10 @@
 
 At T in {1, 8, 64} (rows per active expert <= 16: `moe_gemm.choose_config`'s decode row) times the two
 `moe_gemm.grouped_gemm` launches of the routed experts, gate/up (gather, SwiGLU, routing weight, FP8 epilogue)
-and down, with every candidate `GemmConfig` (BLOCK_N, warps, stages; BLOCK_M stays 16, the permute alignment),
-plus the whole Triton `experts` call with the defaults. Writes `DIR/sweep_moe.json` and prints a table.
+and down, with every candidate `GemmConfig` (BLOCK_N, warps, stages, swap-AB; BLOCK_M stays 16, the permute
+alignment), plus the whole Triton `experts` call with the defaults. The experts are in the layout `optimized.MoE`
+runs them in on this device (tiled on NVIDIA GPUs, `optimized.moe.tiling_helps`). Writes `DIR/sweep_moe.json`
+and prints a table.
 
 Timing is `benchmarks.sweeping.time_graph`. The calls rotate over `ROTATIONS` routings that pick other
 experts, so the expert weights a call reads stream from HBM (T = 1 reads 6 experts, ~150 MB at FLASH) as they do
@@ -42,14 +44,17 @@ class Job:
     @property
     def label(self) -> str:
         c = self.config
-        return "default" if c is None else f"n={c.block_n},w={c.num_warps},s={c.num_stages}"
+        if c is None:
+            return "default"
+        return f"n={c.block_n},w={c.num_warps},s={c.num_stages}" + (",swap_ab" if c.swap_ab else "")
 
 
 def all_jobs(smoke: bool) -> list[Job]:
     from optimized.triton.moe_gemm import GemmConfig as C
 
-    gate_up = [C(16, 128, w, st) for w in (4, 8) for st in (2, 3, 4, 5, 6)]
-    down = [C(16, n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4, 5)]
+    gate_up = [C(16, 128, w, st, swap_ab=swap) for swap in (False, True) for w in (4, 8) for st in (2, 3, 4, 5, 6)]
+    down = [C(16, n, w, st, swap_ab=swap) for swap in (False, True) for n in (32, 64, 128) for w in (4, 8)
+            for st in (2, 3, 4, 5)]
     if smoke:
         gate_up, down = gate_up[:1], down[:1]
     jobs = []
@@ -63,6 +68,7 @@ class Inputs:
     """FLASH (TINY) FP8 experts and, per token count, `ROTATIONS` routings with their layouts and gate/up outputs."""
 
     def __init__(self, config: str, device: str) -> None:
+        from optimized.moe import tile_experts, tiling_helps
         from reference.config import get_config
         from reference.moe import random_moe_weights
         from reference.numerics import OFFICIAL
@@ -72,6 +78,10 @@ class Inputs:
         self.numerics = OFFICIAL
         self.weights = random_moe_weights(self.cfg, 0, expert_format="fp8", fmt="e4m3fn",
                                           generator=torch.Generator(device=device).manual_seed(11), device=device)
+        w13, w2 = self.weights.w13, self.weights.w2
+        # the routed experts as `optimized.MoE` holds them on this device
+        self.w13, self.w2 = ((tile_experts(w13, "e4m3fn"), tile_experts(w2, "e4m3fn"))
+                             if tiling_helps(torch.device(device)) else (w13, w2))
         self._held: tuple[int, list[dict[str, Any]]] | None = None
 
     def get(self, tokens: int) -> list[dict[str, Any]]:
@@ -96,7 +106,7 @@ def _gemm(job: Job, s: dict[str, Any], inputs: Inputs, config: Any) -> tuple[tor
     from optimized.triton.moe_gemm import choose_config, grouped_gemm
     from optimized.triton.moe_permute import permute
 
-    w13, w2, fmt = inputs.weights.w13, inputs.weights.w2, inputs.numerics.fp8_format
+    w13, w2, fmt = inputs.w13, inputs.w2, inputs.numerics.fp8_format
     if "layout" not in s:
         s["layout"] = permute(s["ids"], w13.data.shape[0], align=16)
     common = {"layout": s["layout"], "numerics_fmt": fmt, "act_block": inputs.numerics.act_block}
@@ -120,14 +130,13 @@ def run_job(job: Job, inputs: Inputs, timed: bool, expected: torch.Tensor | None
     out = None
     try:
         sets = inputs.get(job.tokens)
-        w = inputs.weights
         config = job.config or choose_config(1.0, 0, swiglu=job.gemm == "gate_up")
 
         def call(i: int) -> Any:
             s = sets[i % len(sets)]
             if job.gemm == "experts":
-                return experts(s["x"], s["ids"], s["weights"], w.w13, w.w2, swiglu_limit=inputs.cfg.swiglu_limit,
-                               numerics=inputs.numerics)
+                return experts(s["x"], s["ids"], s["weights"], inputs.w13, inputs.w2,
+                               swiglu_limit=inputs.cfg.swiglu_limit, numerics=inputs.numerics)
             return _gemm(job, s, inputs, config)
 
         result = call(0)
@@ -148,8 +157,8 @@ def run_job(job: Job, inputs: Inputs, timed: bool, expected: torch.Tensor | None
                 call(i)
             seconds, row["timing"] = time_graph(call)
             row["us"] = round(seconds * 1e6, 2)
-            per_expert = {"gate_up": w.w13.data[0].numel(), "down": w.w2.data[0].numel(),
-                          "experts": w.w13.data[0].numel() + w.w2.data[0].numel()}[job.gemm]
+            per_expert = {"gate_up": inputs.w13.data[0].numel(), "down": inputs.w2.data[0].numel(),
+                          "experts": inputs.w13.data[0].numel() + inputs.w2.data[0].numel()}[job.gemm]
             active = int(torch.unique(sets[0]["ids"]).numel())
             row["weight_gbs"] = round(active * per_expert * (1 + 4 / 128**2) / seconds / 1e9, 1)
             row["experts_per_call"] = active

@@ -333,6 +333,39 @@ def test_shared_rows_equal_the_reference_shared_expert(clamp: bool) -> None:
     _assert_simulated(cand, want, "shared expert")
 
 
+def _routed_and_shared_gemms(numerics: Numerics, cfg, x: torch.Tensor, gate_up, down) -> tuple[torch.Tensor, ...]:
+    """Both GEMMs of the routed experts (on the reference routing of `x`) and of the shared expert, with the given
+    `moe_gemm.GemmConfig`s: (routed rows in slot order, shared expert output, ids, topk_weights, weights)."""
+    from optimized.triton import moe_gemm
+    from optimized.triton.moe_permute import permute
+    from optimized.triton.moe_pipeline import activation, clamp_limit
+
+    w = _weights(fmt=numerics.fp8_format, cfg=cfg)
+    ids, topk_weights = ref.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=cfg)
+    a, a_scale = activation(x, numerics)
+    layout = permute(ids, cfg.n_routed_experts, align=gate_up.block_m)
+    common = {"numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
+    h, h_scale = moe_gemm.grouped_gemm(a, a_scale, w.w13.data, w.w13.scale, config=gate_up, swiglu=True,
+                                       layout=layout, topk=ids.shape[1], gather=True,
+                                       topk_weights=topk_weights.reshape(-1), limit=clamp_limit(cfg.swiglu_limit),
+                                       **common)
+    y, _ = moe_gemm.grouped_gemm(h, h_scale, w.w2.data, w.w2.scale, config=down, swiglu=False, layout=layout, **common)
+    hs, hs_scale = moe_gemm.grouped_gemm(a, a_scale, w.shared_w13.data[None], w.shared_w13.scale[None],
+                                         config=gate_up, swiglu=True, layout=None,
+                                         limit=clamp_limit(cfg.swiglu_limit if numerics.shared_expert_clamp else 0),
+                                         **common)
+    ys, _ = moe_gemm.grouped_gemm(hs, hs_scale, w.shared_w2.data[None], w.shared_w2.scale[None], config=down,
+                                  swiglu=False, layout=None, **common)
+    return y[layout.slot_row.long()], ys, ids, topk_weights, w
+
+
+def _assert_routed_and_shared_are_the_reference(numerics: Numerics, cfg, x: torch.Tensor, rows: torch.Tensor,
+                                                shared: torch.Tensor, ids, topk_weights, w, what: str) -> None:
+    _assert_simulated(rows, _reference_rows(x, ids, topk_weights, w, numerics, cfg), f"routed rows, {what}")
+    want_shared = ref.shared_expert(x, w.shared_w13, w.shared_w2, swiglu_limit=cfg.swiglu_limit, numerics=numerics)
+    _assert_simulated(shared, want_shared, f"shared expert, {what}")
+
+
 @needs_triton
 @pytest.mark.parametrize("numerics", [OFFICIAL, MEGAMOE, EXACT], ids=["official", "megamoe_act_block_32", "exact_bf16"])
 def test_split_k_gemms_add_their_slices_in_order_and_equal_the_whole_k_loop(numerics: Numerics) -> None:
@@ -346,44 +379,52 @@ def test_split_k_gemms_add_their_slices_in_order_and_equal_the_whole_k_loop(nume
     sum of 8 terms moves it by a few 2^-24 relative, calc_diff ~1e-14, far below one bf16 rounding flip per
     thousands of values, ~1e-7). A slice that is dropped or added twice costs calc_diff > 0.1."""
     from optimized.triton import moe_gemm
-    from optimized.triton.moe_permute import permute
-    from optimized.triton.moe_pipeline import activation, clamp_limit
+    from optimized.triton.moe_pipeline import activation
 
     cfg = SMALL.replace(dim=1024)
-    w = _weights(fmt=numerics.fp8_format, cfg=cfg)
     x = _x(5, dim=cfg.dim)
-    ids, topk_weights = ref.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=cfg)
-    a, a_scale = activation(x, numerics)
-    layout = permute(ids, cfg.n_routed_experts, align=16)
-    common = {"numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
-    routed = {"layout": layout, "topk": ids.shape[1], "gather": True, "topk_weights": topk_weights.reshape(-1),
-              "limit": clamp_limit(cfg.swiglu_limit)}
     outputs = {}
     for split in (1, 2, 8):
-        config = moe_gemm.GemmConfig(16, 128, 4, 1, split)
-        h, h_scale = moe_gemm.grouped_gemm(a, a_scale, w.w13.data, w.w13.scale, config=config, swiglu=True,
-                                           **routed, **common)
         # the down GEMM's K is I = 256: two K blocks, split 2
-        down = moe_gemm.GemmConfig(16, 128, 4, 1, min(split, 2))
-        y, _ = moe_gemm.grouped_gemm(h, h_scale, w.w2.data, w.w2.scale, config=down, swiglu=False, layout=layout,
-                                     **common)
-        hs, hs_scale = moe_gemm.grouped_gemm(a, a_scale, w.shared_w13.data[None], w.shared_w13.scale[None],
-                                             config=config, swiglu=True, layout=None,
-                                             limit=clamp_limit(cfg.swiglu_limit if numerics.shared_expert_clamp else 0),
-                                             **common)
-        ys, _ = moe_gemm.grouped_gemm(hs, hs_scale, w.shared_w2.data[None], w.shared_w2.scale[None], config=down,
-                                      swiglu=False, layout=None, **common)
-        outputs[split] = (y[layout.slot_row.long()], ys)
-    want_rows = _reference_rows(x, ids, topk_weights, w, numerics, cfg)
-    want_shared = ref.shared_expert(x, w.shared_w13, w.shared_w2, swiglu_limit=cfg.swiglu_limit, numerics=numerics)
-    for split, (rows, shared) in outputs.items():
-        _assert_simulated(rows, want_rows, f"routed rows, split {split}")
-        _assert_simulated(shared, want_shared, f"shared expert, split {split}")
-        for got, whole in zip((rows, shared), outputs[1]):
+        rows, shared, ids, topk_weights, w = _routed_and_shared_gemms(
+            numerics, cfg, x, moe_gemm.GemmConfig(16, 128, 4, 1, split),
+            moe_gemm.GemmConfig(16, 128, 4, 1, min(split, 2)))
+        _assert_routed_and_shared_are_the_reference(numerics, cfg, x, rows, shared, ids, topk_weights, w,
+                                                    f"split {split}")
+        outputs[split] = (rows, shared)
+        for got, whole in zip(outputs[split], outputs[1]):
             assert calc_diff(got, whole) <= 1e-9, f"split {split}: not the whole-K sum up to fp32 reassociation"
+    a, a_scale = activation(x, numerics)
     with pytest.raises(ValueError, match=re.escape("config: split_k = 3 must divide the")):
         moe_gemm.grouped_gemm(a, a_scale, w.shared_w13.data[None], w.shared_w13.scale[None],
-                              config=moe_gemm.GemmConfig(16, 128, 4, 1, 3), swiglu=True, layout=None, **common)
+                              config=moe_gemm.GemmConfig(16, 128, 4, 1, 3), swiglu=True, layout=None,
+                              numerics_fmt=numerics.fp8_format, act_block=numerics.act_block)
+
+
+@needs_triton
+@pytest.mark.parametrize("numerics", [OFFICIAL, MEGAMOE, EXACT], ids=["official", "megamoe_act_block_32", "exact_bf16"])
+def test_swap_ab_gemms_compute_the_same_products_transposed(numerics: Numerics) -> None:
+    """Swap-AB tiles (`GemmConfig.swap_ab`: `dot(w^T, a^T)`, the weight rows on the MMA's M side) on both GEMMs of
+    the routed and the shared expert, with split-K on top, against the reference (MOE_SIMULATED) and against the
+    unswapped tiles: the same per-block products, scales and epilogue, so what may differ is the order in which the
+    MMA sums the 128 (32) products of a block, fp32 reassociation; the bound is the split-K test's 1e-9 (on the H200,
+    where wgmma and mma.sync really differ, the whole routed MoE moved by calc_diff ~1e-6 after the FP8 re-quantization
+    of the SwiGLU output: design note 25, a GPU-only figure). A transposed operand or a scale applied on the wrong axis
+    costs calc_diff > 0.1."""
+    from optimized.triton import moe_gemm
+
+    cfg = SMALL.replace(dim=1024)
+    x = _x(5, dim=cfg.dim)
+    plain = _routed_and_shared_gemms(numerics, cfg, x, moe_gemm.GemmConfig(16, 128, 4, 1),
+                                     moe_gemm.GemmConfig(16, 128, 4, 1))
+    for split in (1, 2):
+        rows, shared, ids, topk_weights, w = _routed_and_shared_gemms(
+            numerics, cfg, x, moe_gemm.GemmConfig(16, 128, 4, 1, split, swap_ab=True),
+            moe_gemm.GemmConfig(16, 64, 4, 1, split, swap_ab=True))
+        _assert_routed_and_shared_are_the_reference(numerics, cfg, x, rows, shared, ids, topk_weights, w,
+                                                    f"swap-AB, split {split}")
+        for got, want in zip((rows, shared), plain[:2]):
+            assert calc_diff(got, want) <= 1e-9, f"swap-AB, split {split}: not the unswapped products"
 
 
 def test_split_k_rule_splits_only_grids_that_leave_sms_idle() -> None:

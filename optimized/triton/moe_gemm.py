@@ -76,6 +76,7 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     split_k: int = 1
+    swap_ab: bool = False  # the weight tile on the MMA's M side (`_block_dot`)
 
 
 def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: bool = False,
@@ -85,7 +86,7 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
     | rows / expert | GEMM    | BLOCK_M | BLOCK_N | warps | stages | why                                   |
     |---------------|---------|---------|---------|-------|--------|---------------------------------------|
     | <= 16         | gate/up | 16      | 128     | 8 (4) | 4 (2)  | decode: smallest dot tile; the weight |
-    |               | down    | 16      | 64      | 4     | 3      | stream is the cost                    |
+    |               | down    | 16      | 64      | 4     | 3      | stream is the cost; NVIDIA: swap-AB   |
     | > 16          | gate/up | 64      | 128     | 8     | 4 (2)  | compute-bound; 64 rows pad less per   |
     |               | down    | 64      | 128     | 4 (8) | 3 (2)  | expert than 128 (E x 32 rows on avg.) |
 
@@ -97,7 +98,14 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
     NVIDIA: 4 stages for gate/up and 4 warps with 3 stages for down took the Triton experts at FLASH T = 4096 from
     4670 to 3222 us and at T = 8192 from 7732 to 5305 us (H200, same-run A/B of six tile pairs, outputs bitwise
     equal: `docs/h200/ab-moe-prefill-tiles.json`); AMD keeps the bracketed tiles there (not measured: no ROCm GPU
-    here). Every
+    here). Decode down on NVIDIA swaps A and B (`swap_ab`, `_block_dot`: the 64 weight rows on wgmma's M side, native
+    FP8 wgmma instead of Triton's mma.sync path with its f16 conversions); H200, same-run A/B, routed MoE, two rounds
+    each (`docs/h200/ab-moe-swap-ab.json`, `ab-moe-swap-down-tiles.json`): T = 1 62.4 -> 60.2 us and 61.5 -> 60.3 us,
+    T = 8 268.5 -> 267.2 us, T = 64 975.2 -> 972.9 us; outputs within calc_diff 1e-6 of the mma.sync ones (wgmma sums
+    a block's products in another order). Swapping the gate/up GEMM as well was slower from T = 8 on (T = 8 268.5 ->
+    284.5 us: its two 128-row weight tiles take 139 KB of shared memory in 4 stages); for the swapped down GEMM, 4
+    stages gave T = 1 59.8 against 60.3 us but T = 8 269.2 against 267.6, and 2 stages or 128-column tiles were
+    slower. Every
     config compiles without spills within its targets' LDS and registers (the AOT check). On the CPU
     interpreter, where each program costs the same few hundred numpy calls whatever its size, the tiles
     are as large as the shape allows: the arithmetic is the same, with fewer programs.
@@ -106,7 +114,7 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
         return GemmConfig(64 if rows_per_expert <= 64 else 128, min(n_out, 256), 4, 1)
     if rows_per_expert <= DECODE_BLOCK_M:
         if not swiglu:
-            return GemmConfig(DECODE_BLOCK_M, 64, 4, 3)
+            return GemmConfig(DECODE_BLOCK_M, 64, 4, 3, swap_ab=platform == "nvidia")
         return GemmConfig(DECODE_BLOCK_M, 128, 8, 4) if platform == "nvidia" else GemmConfig(DECODE_BLOCK_M, 128, 4, 2)
     if platform != "nvidia":
         return GemmConfig(64, 128, 8, 2)
@@ -212,6 +220,30 @@ def _sum_slices(ptrs, valid, slice_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
+def _block_dot(a, w, sa, sw, A_FP8: tl.constexpr, SWAP_AB: tl.constexpr):
+    """One K block's partial sum, promoted (spec §2.5): `dot(a, w) * sa[row] * sw[col]` in fp32.
+
+    a: [M, BLOCK_K] FP8 (scales sa [M]) or bf16 (EXACT: no activation scale; w's FP8 values are exact in bf16);
+    w: [BLOCK_K, N] FP8, sw [N]. SWAP_AB returns the same products transposed, [N, M], from `dot(w^T, a^T)`: the
+    weight rows on the MMA's M side, so that a 16-row decode tile runs Hopper's native FP8 wgmma (M >= 64) instead
+    of Triton's mma.sync path, which converts every FP8 operand to f16 on sm_90 (`choose_config`, design note 25).
+    """
+    if not A_FP8:
+        w = w.to(tl.bfloat16)
+    if SWAP_AB:
+        part = tl.dot(tl.trans(w), tl.trans(a))
+        if A_FP8:
+            part = part * sa[None, :]
+        part = part * sw[:, None]
+    else:
+        part = tl.dot(a, w)
+        if A_FP8:
+            part = part * sa[:, None]
+        part = part * sw[None, :]
+    return part
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
     sorted_slot_ptr, row_expert_ptr, topk_w_ptr, partial_ptr, arrivals_ptr,
@@ -224,7 +256,7 @@ def _grouped_gemm_kernel(
     A_FP8: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_BF16: tl.constexpr, ACT_BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-    W_TILED: tl.constexpr = False, PDL: tl.constexpr = False,
+    W_TILED: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """out[rows, n-tile] of one expert: load tiles, block-scaled accumulate, epilogue, store.
 
@@ -271,8 +303,12 @@ def _grouped_gemm_kernel(
     sg_ptrs = ws_base + (offs_n // WEIGHT_BLOCK) * stride_wsn
     su_ptrs = ws_base + ((N + offs_n) // WEIGHT_BLOCK) * stride_wsn
 
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:  # the accumulators are held transposed until the loop ends
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_slice: tl.constexpr = K // SPLIT_K
     for k0 in range(pid_k * k_slice, (pid_k + 1) * k_slice, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
@@ -285,16 +321,16 @@ def _grouped_gemm_kernel(
         sg = tl.load(sg_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
         if A_FP8:
             sa = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // ACT_BLOCK) * stride_ask, mask=valid, other=0.0)
-            acc_g += tl.dot(a, wg) * sa[:, None] * sg[None, :]
-        else:  # EXACT: bf16 activation x the weight's FP8 values (exact in bf16); fp32 products and sums
-            acc_g += tl.dot(a, wg.to(tl.bfloat16)) * sg[None, :]
+        else:
+            sa = sg  # not read: EXACT's bf16 A has no scale
+        acc_g += _block_dot(a, wg, sa, sg, A_FP8, SWAP_AB)
         if SWIGLU:
             wu = tl.load(wu_ptrs + kw)
             su = tl.load(su_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
-            if A_FP8:
-                acc_u += tl.dot(a, wu) * sa[:, None] * su[None, :]
-            else:
-                acc_u += tl.dot(a, wu.to(tl.bfloat16)) * su[None, :]
+            acc_u += _block_dot(a, wu, sa, su, A_FP8, SWAP_AB)
+    if SWAP_AB:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
 
     out_rows = rows.to(tl.int64)
     if SPLIT_K > 1:
@@ -390,7 +426,7 @@ def grouped_gemm(
         K=k_dim, N=n_out, TOPK=topk, GROUPED=layout is not None, GATHER=gather, SWIGLU=swiglu,
         HAS_WEIGHT=topk_weights is not None, A_FP8=a_fp8, OUT_FP8=out_fp8, GATE_UP_BF16=gate_up_bf16,
         ACT_BLOCK=act_block, BLOCK_K=block_k, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, **fp8_constants(fmt), SPLIT_K=split, W_TILED=tiled,
+        BLOCK_N=config.block_n, **fp8_constants(fmt), SPLIT_K=split, W_TILED=tiled, SWAP_AB=config.swap_ab,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch(),
     )
@@ -489,7 +525,7 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
         {"K": k, "N": n, "TOPK": 6 if grouped else 1, "GROUPED": grouped, "GATHER": grouped and swiglu,
          "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "OUT_FP8": swiglu, "GATE_UP_BF16": True,
          "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-         "SPLIT_K": config.split_k, "W_TILED": tiled},
+         "SPLIT_K": config.split_k, "W_TILED": tiled, "SWAP_AB": config.swap_ab},
         fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned, targets=targets,
     )
 
