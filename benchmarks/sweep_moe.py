@@ -76,10 +76,10 @@ class Inputs:
         self.cfg = get_config(config)
         self.device = device
         self.numerics = OFFICIAL
-        self.weights = random_moe_weights(self.cfg, 0, expert_format="fp8", fmt="e4m3fn",
-                                          generator=torch.Generator(device=device).manual_seed(11), device=device)
-        w13, w2 = self.weights.w13, self.weights.w2
-        # the routed experts as `optimized.MoE` holds them on this device
+        weights = random_moe_weights(self.cfg, 0, expert_format="fp8", fmt="e4m3fn",
+                                     generator=torch.Generator(device=device).manual_seed(11), device=device)
+        w13, w2 = weights.w13, weights.w2
+        # the routed experts as `optimized.MoE` holds them on this device (the row-major copy is not kept)
         self.w13, self.w2 = ((tile_experts(w13, "e4m3fn"), tile_experts(w2, "e4m3fn"))
                              if tiling_helps(torch.device(device)) else (w13, w2))
         self._held: tuple[int, list[dict[str, Any]]] | None = None

@@ -333,37 +333,48 @@ def test_shared_rows_equal_the_reference_shared_expert(clamp: bool) -> None:
     _assert_simulated(cand, want, "shared expert")
 
 
-def _routed_and_shared_gemms(numerics: Numerics, cfg, x: torch.Tensor, gate_up, down) -> tuple[torch.Tensor, ...]:
-    """Both GEMMs of the routed experts (on the reference routing of `x`) and of the shared expert, with the given
-    `moe_gemm.GemmConfig`s: (routed rows in slot order, shared expert output, ids, topk_weights, weights)."""
-    from optimized.triton import moe_gemm
-    from optimized.triton.moe_permute import permute
-    from optimized.triton.moe_pipeline import activation, clamp_limit
+class _GemmCase:
+    """D 1024 (8 K blocks), 5 tokens: the weights, the reference routing and quantized activation, and the reference
+    outputs of the routed slots and the shared expert, built once; `run` launches both GEMMs of each with given
+    `moe_gemm.GemmConfig`s."""
 
-    w = _weights(fmt=numerics.fp8_format, cfg=cfg)
-    ids, topk_weights = ref.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=cfg)
-    a, a_scale = activation(x, numerics)
-    layout = permute(ids, cfg.n_routed_experts, align=gate_up.block_m)
-    common = {"numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
-    h, h_scale = moe_gemm.grouped_gemm(a, a_scale, w.w13.data, w.w13.scale, config=gate_up, swiglu=True,
-                                       layout=layout, topk=ids.shape[1], gather=True,
-                                       topk_weights=topk_weights.reshape(-1), limit=clamp_limit(cfg.swiglu_limit),
-                                       **common)
-    y, _ = moe_gemm.grouped_gemm(h, h_scale, w.w2.data, w.w2.scale, config=down, swiglu=False, layout=layout, **common)
-    hs, hs_scale = moe_gemm.grouped_gemm(a, a_scale, w.shared_w13.data[None], w.shared_w13.scale[None],
-                                         config=gate_up, swiglu=True, layout=None,
-                                         limit=clamp_limit(cfg.swiglu_limit if numerics.shared_expert_clamp else 0),
-                                         **common)
-    ys, _ = moe_gemm.grouped_gemm(hs, hs_scale, w.shared_w2.data[None], w.shared_w2.scale[None], config=down,
-                                  swiglu=False, layout=None, **common)
-    return y[layout.slot_row.long()], ys, ids, topk_weights, w
+    def __init__(self, numerics: Numerics) -> None:
+        from optimized.triton.moe_pipeline import activation
 
+        self.numerics, self.cfg = numerics, SMALL.replace(dim=1024)
+        cfg, x = self.cfg, _x(5, dim=self.cfg.dim)
+        self.w = w = _weights(fmt=numerics.fp8_format, cfg=cfg)
+        ids, topk_weights = ref.route(x, w.gate, w.bias, token_ids=None, tid2eid=None, cfg=cfg)
+        self.ids, self.topk_weights = ids, topk_weights
+        self.a, self.a_scale = activation(x, numerics)
+        self.want_rows = _reference_rows(x, ids, topk_weights, w, numerics, cfg)
+        self.want_shared = ref.shared_expert(x, w.shared_w13, w.shared_w2, swiglu_limit=cfg.swiglu_limit,
+                                             numerics=numerics)
+        self.common = {"numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
 
-def _assert_routed_and_shared_are_the_reference(numerics: Numerics, cfg, x: torch.Tensor, rows: torch.Tensor,
-                                                shared: torch.Tensor, ids, topk_weights, w, what: str) -> None:
-    _assert_simulated(rows, _reference_rows(x, ids, topk_weights, w, numerics, cfg), f"routed rows, {what}")
-    want_shared = ref.shared_expert(x, w.shared_w13, w.shared_w2, swiglu_limit=cfg.swiglu_limit, numerics=numerics)
-    _assert_simulated(shared, want_shared, f"shared expert, {what}")
+    def run(self, gate_up, down, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routed rows in slot order, shared expert output), each checked against the reference (MOE_SIMULATED)."""
+        from optimized.triton import moe_gemm
+        from optimized.triton.moe_permute import permute
+        from optimized.triton.moe_pipeline import clamp_limit
+
+        w, cfg, a, a_scale, common = self.w, self.cfg, self.a, self.a_scale, self.common
+        layout = permute(self.ids, cfg.n_routed_experts, align=gate_up.block_m)
+        h, h_scale = moe_gemm.grouped_gemm(a, a_scale, w.w13.data, w.w13.scale, config=gate_up, swiglu=True,
+                                           layout=layout, topk=self.ids.shape[1], gather=True,
+                                           topk_weights=self.topk_weights.reshape(-1),
+                                           limit=clamp_limit(cfg.swiglu_limit), **common)
+        y, _ = moe_gemm.grouped_gemm(h, h_scale, w.w2.data, w.w2.scale, config=down, swiglu=False, layout=layout,
+                                     **common)
+        shared_limit = clamp_limit(cfg.swiglu_limit if self.numerics.shared_expert_clamp else 0)
+        hs, hs_scale = moe_gemm.grouped_gemm(a, a_scale, w.shared_w13.data[None], w.shared_w13.scale[None],
+                                             config=gate_up, swiglu=True, layout=None, limit=shared_limit, **common)
+        ys, _ = moe_gemm.grouped_gemm(hs, hs_scale, w.shared_w2.data[None], w.shared_w2.scale[None], config=down,
+                                      swiglu=False, layout=None, **common)
+        rows = y[layout.slot_row.long()]
+        _assert_simulated(rows, self.want_rows, f"routed rows, {what}")
+        _assert_simulated(ys, self.want_shared, f"shared expert, {what}")
+        return rows, ys
 
 
 @needs_triton
@@ -379,26 +390,21 @@ def test_split_k_gemms_add_their_slices_in_order_and_equal_the_whole_k_loop(nume
     sum of 8 terms moves it by a few 2^-24 relative, calc_diff ~1e-14, far below one bf16 rounding flip per
     thousands of values, ~1e-7). A slice that is dropped or added twice costs calc_diff > 0.1."""
     from optimized.triton import moe_gemm
-    from optimized.triton.moe_pipeline import activation
 
-    cfg = SMALL.replace(dim=1024)
-    x = _x(5, dim=cfg.dim)
-    outputs = {}
+    case = _GemmCase(numerics)
+    whole = None
     for split in (1, 2, 8):
         # the down GEMM's K is I = 256: two K blocks, split 2
-        rows, shared, ids, topk_weights, w = _routed_and_shared_gemms(
-            numerics, cfg, x, moe_gemm.GemmConfig(16, 128, 4, 1, split),
-            moe_gemm.GemmConfig(16, 128, 4, 1, min(split, 2)))
-        _assert_routed_and_shared_are_the_reference(numerics, cfg, x, rows, shared, ids, topk_weights, w,
-                                                    f"split {split}")
-        outputs[split] = (rows, shared)
-        for got, whole in zip(outputs[split], outputs[1]):
-            assert calc_diff(got, whole) <= 1e-9, f"split {split}: not the whole-K sum up to fp32 reassociation"
-    a, a_scale = activation(x, numerics)
+        outputs = case.run(moe_gemm.GemmConfig(16, 128, 4, 1, split), moe_gemm.GemmConfig(16, 128, 4, 1, min(split, 2)),
+                           f"split {split}")
+        if whole is None:
+            whole = outputs
+        for got, want in zip(outputs, whole):
+            assert calc_diff(got, want) <= 1e-9, f"split {split}: not the whole-K sum up to fp32 reassociation"
+    w = case.w
     with pytest.raises(ValueError, match=re.escape("config: split_k = 3 must divide the")):
-        moe_gemm.grouped_gemm(a, a_scale, w.shared_w13.data[None], w.shared_w13.scale[None],
-                              config=moe_gemm.GemmConfig(16, 128, 4, 1, 3), swiglu=True, layout=None,
-                              numerics_fmt=numerics.fp8_format, act_block=numerics.act_block)
+        moe_gemm.grouped_gemm(case.a, case.a_scale, w.shared_w13.data[None], w.shared_w13.scale[None],
+                              config=moe_gemm.GemmConfig(16, 128, 4, 1, 3), swiglu=True, layout=None, **case.common)
 
 
 @needs_triton
@@ -413,17 +419,12 @@ def test_swap_ab_gemms_compute_the_same_products_transposed(numerics: Numerics) 
     costs calc_diff > 0.1."""
     from optimized.triton import moe_gemm
 
-    cfg = SMALL.replace(dim=1024)
-    x = _x(5, dim=cfg.dim)
-    plain = _routed_and_shared_gemms(numerics, cfg, x, moe_gemm.GemmConfig(16, 128, 4, 1),
-                                     moe_gemm.GemmConfig(16, 128, 4, 1))
+    case = _GemmCase(numerics)
+    plain = case.run(moe_gemm.GemmConfig(16, 128, 4, 1), moe_gemm.GemmConfig(16, 128, 4, 1), "unswapped")
     for split in (1, 2):
-        rows, shared, ids, topk_weights, w = _routed_and_shared_gemms(
-            numerics, cfg, x, moe_gemm.GemmConfig(16, 128, 4, 1, split, swap_ab=True),
-            moe_gemm.GemmConfig(16, 64, 4, 1, split, swap_ab=True))
-        _assert_routed_and_shared_are_the_reference(numerics, cfg, x, rows, shared, ids, topk_weights, w,
-                                                    f"swap-AB, split {split}")
-        for got, want in zip((rows, shared), plain[:2]):
+        swapped = case.run(moe_gemm.GemmConfig(16, 128, 4, 1, split, swap_ab=True),
+                           moe_gemm.GemmConfig(16, 64, 4, 1, split, swap_ab=True), f"swap-AB, split {split}")
+        for got, want in zip(swapped, plain):
             assert calc_diff(got, want) <= 1e-9, f"swap-AB, split {split}: not the unswapped products"
 
 
