@@ -359,11 +359,15 @@ class _GemmCase:
         from optimized.triton.moe_pipeline import clamp_limit
 
         w, cfg, a, a_scale, common = self.w, self.cfg, self.a, self.a_scale, self.common
-        layout = permute(self.ids, cfg.n_routed_experts, align=gate_up.block_m)
+        # tiles narrower than a quantization block take their counters from the permute (the shared expert's below
+        # are allocated by `grouped_gemm`)
+        narrow = self.numerics.act_quant and gate_up.block_n < self.numerics.act_block
+        layout = permute(self.ids, cfg.n_routed_experts, align=gate_up.block_m,
+                         arrivals_per_block=cfg.moe_inter_dim // self.numerics.act_block if narrow else 0)
         h, h_scale = moe_gemm.grouped_gemm(a, a_scale, w.w13.data, w.w13.scale, config=gate_up, swiglu=True,
                                            layout=layout, topk=self.ids.shape[1], gather=True,
                                            topk_weights=self.topk_weights.reshape(-1),
-                                           limit=clamp_limit(cfg.swiglu_limit), **common)
+                                           limit=clamp_limit(cfg.swiglu_limit), arrivals=layout.arrivals, **common)
         y, _ = moe_gemm.grouped_gemm(h, h_scale, w.w2.data, w.w2.scale, config=down, swiglu=False, layout=layout,
                                      **common)
         shared_limit = clamp_limit(cfg.swiglu_limit if self.numerics.shared_expert_clamp else 0)
@@ -426,6 +430,47 @@ def test_swap_ab_gemms_compute_the_same_products_transposed(numerics: Numerics) 
                            moe_gemm.GemmConfig(16, 64, 4, 1, split, swap_ab=True), f"swap-AB, split {split}")
         for got, want in zip(swapped, plain):
             assert calc_diff(got, want) <= 1e-9, f"swap-AB, split {split}: not the unswapped products"
+
+
+@needs_triton
+@pytest.mark.parametrize("numerics", [OFFICIAL, MEGAMOE, EXACT], ids=["official", "megamoe_act_block_32", "exact_bf16"])
+def test_gate_up_tiles_narrower_than_a_quantization_block_quantize_it_in_its_last_tile(numerics: Numerics) -> None:
+    """Gate/up tiles of 64 and 32 columns (16 for MegaMoE's 32-wide blocks), where 2 or 4 tiles share each
+    quantization block of the SwiGLU output: each stores its bf16 values, the block's last tile to arrive (an
+    acquire-release counter) reads them back and quantizes the whole block. Against the 128-column tiles: each
+    column's K loop, SwiGLU and bf16 rounding are the same, and the block is quantized from the same values, so the
+    outputs are the same bits (a tile that quantized only its own part would take another scale: calc_diff > 0).
+    The routed launch uses the permute's counters, the shared expert's come from `grouped_gemm`; a second launch on
+    the same layout proves the counters are reset. EXACT numerics (bf16 output, no quantization) runs them as plain
+    narrow tiles."""
+    from optimized.triton import moe_gemm
+    from optimized.triton.moe_permute import permute
+
+    case = _GemmCase(numerics)
+    down = moe_gemm.GemmConfig(16, 128, 4, 1)
+    whole = case.run(moe_gemm.GemmConfig(16, 128, 4, 1), down, "128-column gate/up")
+    for block_n in (16,) if numerics.act_block == 32 else (64, 32):
+        narrow = case.run(moe_gemm.GemmConfig(16, block_n, 4, 1), down, f"{block_n}-column gate/up")
+        for got, want in zip(narrow, whole):
+            assert torch.equal(got, want), f"{block_n}-column gate/up tiles: not the 128-column tiles' bits"
+    if not numerics.act_quant:
+        return
+    layout = permute(case.ids, case.cfg.n_routed_experts, align=16,
+                     arrivals_per_block=case.cfg.moe_inter_dim // numerics.act_block)
+    gate_up_args = (case.a, case.a_scale, case.w.w13.data, case.w.w13.scale)
+    gate_up_kwargs = {"config": moe_gemm.GemmConfig(16, 64 if numerics.act_block == 128 else 16, 4, 1),
+                      "swiglu": True, "layout": layout, "topk": case.ids.shape[1], "gather": True,
+                      "topk_weights": case.topk_weights.reshape(-1), "arrivals": layout.arrivals, **case.common}
+    first = moe_gemm.grouped_gemm(*gate_up_args, **gate_up_kwargs)
+    assert int(layout.arrivals.abs().sum()) == 0, "the counters are not reset after the launch"
+    second = moe_gemm.grouped_gemm(*gate_up_args, **gate_up_kwargs)
+    rows = layout.slot_row.long()  # padding rows are never written
+    assert all(torch.equal(x[rows].float(), y[rows].float()) for x, y in zip(first, second)), "second launch"
+    with pytest.raises(ValueError, match=re.escape("arrivals: expected at least")):
+        moe_gemm.grouped_gemm(*gate_up_args, **{**gate_up_kwargs, "arrivals": layout.arrivals[:1]})
+    with pytest.raises(ValueError, match=re.escape("config: a split K (split_k = 2) needs tiles of whole")):
+        moe_gemm.grouped_gemm(*gate_up_args, **{**gate_up_kwargs, "config": moe_gemm.GemmConfig(16, 16, 4, 1, 2),
+                                                "arrivals": None})
 
 
 def test_split_k_rule_splits_only_grids_that_leave_sms_idle() -> None:

@@ -249,14 +249,14 @@ def _grouped_gemm_kernel(
     sorted_slot_ptr, row_expert_ptr, topk_w_ptr, partial_ptr, arrivals_ptr,
     n_rows, limit, stride_ps,
     stride_am, stride_asm, stride_ask,
-    stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+    stride_we, stride_wn, stride_wkb, stride_wse, stride_wsn, stride_wsk,
     stride_om, stride_osm, stride_osk,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr,
     GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     A_FP8: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_BF16: tl.constexpr, ACT_BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-    W_TILED: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
+    W_TILED: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PARTS: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """out[rows, n-tile] of one expert: load tiles, block-scaled accumulate, epilogue, store.
 
@@ -293,12 +293,14 @@ def _grouped_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    if W_TILED:  # w: [E, rows / 128, K / 128, 128, 128], 128 x 128 blocks contiguous (`optimized.moe.tile_experts`)
-        w_rows = (offs_n // WEIGHT_BLOCK) * (K * WEIGHT_BLOCK) + (offs_n % WEIGHT_BLOCK) * WEIGHT_BLOCK
+    if W_TILED:
+        # w: [E, rows / 128, K / 128, 128, 128] (`optimized.moe.tile_experts`), each 128 x 128 block contiguous; the
+        # 128-row blocks 128 * stride_wn apart, the K blocks stride_wkb apart
+        w_rows = (offs_n // WEIGHT_BLOCK) * (WEIGHT_BLOCK * stride_wn) + (offs_n % WEIGHT_BLOCK) * WEIGHT_BLOCK
     else:
         w_rows = offs_n * stride_wn
     wg_ptrs = w_base + w_rows.to(tl.int64)[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-    wu_ptrs = wg_ptrs + N * stride_wn  # up rows I + n (gate/up GEMM only); stride_wn = K when tiled
+    wu_ptrs = wg_ptrs + N * stride_wn  # up rows I + n (gate/up GEMM only)
     ws_base = w_scale_ptr + expert * stride_wse
     sg_ptrs = ws_base + (offs_n // WEIGHT_BLOCK) * stride_wsn
     su_ptrs = ws_base + ((N + offs_n) // WEIGHT_BLOCK) * stride_wsn
@@ -313,8 +315,8 @@ def _grouped_gemm_kernel(
     for k0 in range(pid_k * k_slice, (pid_k + 1) * k_slice, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
         if W_TILED:
-            # block k0 // 128 starts 128 x 128 bytes after the previous one; k0 % 128 within its rows
-            kw = k0 + (k0 // WEIGHT_BLOCK) * (WEIGHT_BLOCK * (WEIGHT_BLOCK - 1))
+            # block k0 // 128 starts stride_wkb bytes after the previous one; k0 % 128 within its rows
+            kw = k0 + (k0 // WEIGHT_BLOCK) * (stride_wkb - WEIGHT_BLOCK)
         else:
             kw = k0
         wg = tl.load(wg_ptrs + kw)
@@ -350,9 +352,23 @@ def _grouped_gemm_kernel(
     if SWIGLU:
         act = _bf16(_swiglu(acc_g, acc_u, limit, weight, GATE_UP_BF16, HAS_WEIGHT))  # a -> bf16
         if OUT_FP8:
-            q, scale = _quantize_rows(act, BLOCK_M, BLOCK_N, ACT_BLOCK, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
-            tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=valid[:, None])
-            kb = pid_n * (BLOCK_N // ACT_BLOCK) + tl.arange(0, BLOCK_N // ACT_BLOCK)
+            # the columns quantized here: the tile's own, or (PARTS > 1) its whole quantization block
+            Q_WIDTH: tl.constexpr = BLOCK_N * PARTS
+            offs_q = (pid_n // PARTS) * Q_WIDTH + tl.arange(0, Q_WIDTH)
+            if PARTS > 1:
+                # the tile holds 1 / PARTS of each row's quantization block: it stores its bf16 values in the fp32
+                # [n_rows, N] workspace, and the block's last program to arrive reads the whole block back
+                block = partial_ptr + out_rows[:, None] * N
+                tl.store(block + offs_n[None, :], act, mask=valid[:, None])
+                counter = arrivals_ptr + pid_m * (N // ACT_BLOCK) + pid_n // PARTS
+                if _arrive(counter) < PARTS - 1:
+                    return  # another part of this block is still running: its program quantizes the block
+                tl.store(counter, 0)  # every part has arrived: the counter is ready for the next launch
+                act = tl.load(block + offs_q[None, :], mask=valid[:, None], other=0.0, cache_modifier=".cg")
+            q, scale = _quantize_rows(act, BLOCK_M, Q_WIDTH, ACT_BLOCK, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO)
+            tl.store(out_ptr + out_rows[:, None] * stride_om + offs_q[None, :], q.to(out_ptr.dtype.element_ty),
+                     mask=valid[:, None])
+            kb = (pid_n // PARTS) * (Q_WIDTH // ACT_BLOCK) + tl.arange(0, Q_WIDTH // ACT_BLOCK)
             tl.store(out_scale_ptr + out_rows[:, None] * stride_osm + kb[None, :] * stride_osk, scale,
                      mask=valid[:, None])
         else:
@@ -365,7 +381,7 @@ def grouped_gemm(
     a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor, *,
     layout: MoeLayout | None, config: GemmConfig, swiglu: bool, numerics_fmt: str | FP8Format,
     act_block: int, topk: int = 1, gather: bool = False, topk_weights: torch.Tensor | None = None,
-    limit: float = float("inf"), gate_up_bf16: bool = True,
+    limit: float = float("inf"), gate_up_bf16: bool = True, arrivals: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One grouped (or, with `layout=None`, plain) block-FP8 GEMM launch; shapes are validated by the caller.
 
@@ -383,6 +399,8 @@ def grouped_gemm(
         topk_weights: [T * k] fp32 routing weights by slot (gate/up GEMM of routed experts), or None.
         limit: SwiGLU clamp (+inf: none).
         gate_up_bf16: round gate/up to bf16 before the clamp.
+        arrivals: zeroed int32 counters, at least one per row block and quantization block (gate/up tiles narrower
+            than `act_block`) or per output tile (split K); None: allocated here, zeroed (a memset launch).
 
     Returns:
         out: gate/up: [rows, N] FP8 (bf16 when `a` is bf16); down: [rows, N] bf16.
@@ -409,25 +427,41 @@ def grouped_gemm(
     if split < 1 or k_dim % (split * block_k):
         raise ValueError(f"config: split_k = {split} must divide the {k_dim // block_k} K blocks of {block_k}")
     grid = (triton.cdiv(n_rows, config.block_m), n_out // config.block_n, split)
+    parts = act_block // config.block_n if out_fp8 and config.block_n < act_block else 1
+    if parts > 1 and split > 1:
+        raise ValueError(f"config: a split K (split_k = {split}) needs tiles of whole quantization blocks "
+                         f"(block_n = {config.block_n} < act_block = {act_block})")
+    if parts > 1 and act_block % config.block_n:
+        raise ValueError(f"config: block_n = {config.block_n} must divide act_block = {act_block}")
+    # one arrival counter per row block and quantization block (parts), or per output tile (split K)
+    n_counters = grid[0] * grid[1] // parts if parts > 1 or split > 1 else 0
+    if arrivals is None:
+        arrivals = torch.zeros(n_counters, dtype=torch.int32, device=a.device) if n_counters else dummy
+    elif arrivals.dtype != torch.int32 or arrivals.numel() < n_counters:
+        raise ValueError(f"arrivals: expected at least {n_counters} int32 counters, got {arrivals.numel()} "
+                         f"{arrivals.dtype}")
     if split > 1:
-        # fp32 partial sums of each slice (gate and up side by side) and one arrival counter per output tile
+        # fp32 partial sums of each slice (gate and up side by side)
         partial = torch.empty((split, n_rows, 2 * n_out if swiglu else n_out), dtype=torch.float32, device=a.device)
-        arrivals = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=a.device)
+    elif parts > 1:
+        # each tile's SwiGLU output, read back by the last of its quantization block's tiles
+        partial = torch.empty((n_rows, n_out), dtype=torch.float32, device=a.device)
     else:
-        partial = arrivals = dummy
+        partial = dummy
     _grouped_gemm_kernel[grid](
         a, a_scale if a_fp8 else dummy, w, w_scale, out, out_scale if out_fp8 else dummy,
         layout.sorted_slot if layout is not None else dummy, layout.row_expert if layout is not None else dummy,
         topk_weights if topk_weights is not None else dummy, partial, arrivals,
         n_rows, float(limit), partial.stride(0) if split > 1 else 0,
         a.stride(0), a_scale.stride(0) if a_fp8 else 0, a_scale.stride(1) if a_fp8 else 0,
-        w.stride(0), k_dim if tiled else w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
+        w.stride(0), w.stride(1) // FP8_WEIGHT_BLOCK if tiled else w.stride(1), w.stride(2) if tiled else 0,
+        w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
         out.stride(0), out_scale.stride(0) if out_fp8 else 0, out_scale.stride(1) if out_fp8 else 0,
         K=k_dim, N=n_out, TOPK=topk, GROUPED=layout is not None, GATHER=gather, SWIGLU=swiglu,
         HAS_WEIGHT=topk_weights is not None, A_FP8=a_fp8, OUT_FP8=out_fp8, GATE_UP_BF16=gate_up_bf16,
         ACT_BLOCK=act_block, BLOCK_K=block_k, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, **fp8_constants(fmt), SPLIT_K=split, W_TILED=tiled, SWAP_AB=config.swap_ab,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PARTS=parts, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch(),
     )
     return out, out_scale
@@ -507,8 +541,8 @@ def _gemm_signature(a: str) -> dict[str, str]:
         "a_ptr": a, "a_scale_ptr": "*fp32", "w_ptr": "*{fp8}", "w_scale_ptr": "*fp32", "out_ptr": "*{fp8}",
         "out_scale_ptr": "*fp32", "sorted_slot_ptr": "*i32", "row_expert_ptr": "*i32", "topk_w_ptr": "*fp32",
         "partial_ptr": "*fp32", "arrivals_ptr": "*i32", "n_rows": "i32", "limit": "fp32", "stride_ps": "i32",
-        **{k: "i32" for k in ("stride_am", "stride_asm", "stride_ask", "stride_we", "stride_wn", "stride_wse",
-                              "stride_wsn", "stride_wsk", "stride_om", "stride_osm", "stride_osk")},
+        **{k: "i32" for k in ("stride_am", "stride_asm", "stride_ask", "stride_we", "stride_wn", "stride_wkb",
+                              "stride_wse", "stride_wsn", "stride_wsk", "stride_om", "stride_osm", "stride_osk")},
     }
 
 
@@ -518,14 +552,15 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
     if not swiglu:
         signature["out_ptr"] = "*bf16"
     aligned = ("a_ptr", "a_scale_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "out_scale_ptr", "sorted_slot_ptr",
-               "row_expert_ptr", "topk_w_ptr", "stride_am", "stride_asm", "stride_we", "stride_wn", "stride_wse",
-               "stride_wsn", "stride_om", "stride_osm")
+               "row_expert_ptr", "topk_w_ptr", "stride_am", "stride_asm", "stride_we", "stride_wn", "stride_wkb",
+               "stride_wse", "stride_wsn", "stride_om", "stride_osm")
     return AotSpec(
         name, _grouped_gemm_kernel, signature,
         {"K": k, "N": n, "TOPK": 6 if grouped else 1, "GROUPED": grouped, "GATHER": grouped and swiglu,
          "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "OUT_FP8": swiglu, "GATE_UP_BF16": True,
          "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-         "SPLIT_K": config.split_k, "W_TILED": tiled, "SWAP_AB": config.swap_ab},
+         "SPLIT_K": config.split_k, "W_TILED": tiled, "SWAP_AB": config.swap_ab,
+         "PARTS": act_block // config.block_n if swiglu and config.block_n < act_block else 1},
         fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned, targets=targets,
     )
 

@@ -87,6 +87,8 @@ class MoeLayout:
         n_rows: rows allocated (an upper bound of `expert_start[E]`, known without a device sync).
         align: every segment starts at a multiple of this (compact layout), or 0.
         capacity: rows per expert (masked layout), or 0.
+        arrivals: [n] int32 zeros, or None: arrival counters for the grouped GEMM that runs on this layout
+            (`moe_gemm.grouped_gemm(arrivals=)`), zeroed by the permute's own launch when it is one kernel.
     """
 
     slot_row: torch.Tensor
@@ -97,6 +99,7 @@ class MoeLayout:
     n_rows: int
     align: int
     capacity: int
+    arrivals: torch.Tensor | None = None
 
 
 @triton.jit
@@ -187,15 +190,18 @@ def _scatter_kernel(
 
 @triton.jit
 def _permute_chunk_kernel(
-    ids_ptr, expert_start_ptr, expert_count_ptr, slot_row_ptr, rows_ptr,
-    n_slots, n_experts, n_rows, align, capacity,
+    ids_ptr, expert_start_ptr, expert_count_ptr, slot_row_ptr, rows_ptr, arrivals_ptr,
+    n_slots, n_experts, n_rows, align, capacity, n_arrivals,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_R: tl.constexpr, WRITE_ROWS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """The three kernels above for a single chunk (chunk bases 0), in one program; with WRITE_ROWS, every row of
     `rows` = [sorted_slot; row_expert] ([2, n_rows], contiguous) is written (padding rows -1, as the fill before the
-    three kernels)."""
+    three kernels); the first `n_arrivals` entries of `arrivals` are zeroed (the counters of the GEMM that follows)."""
     pdl_wait(PDL)
+    for r0 in range(0, n_arrivals, BLOCK_R):
+        entries = r0 + tl.arange(0, BLOCK_R)
+        tl.store(arrivals_ptr + entries, tl.zeros([BLOCK_R], tl.int32), mask=entries < n_arrivals)
     lane = tl.arange(0, CHUNK)
     in_range = lane < n_slots
     eid = tl.load(ids_ptr + lane, mask=in_range, other=-1)
@@ -225,6 +231,7 @@ def _permute_chunk_kernel(
 
 def permute(
     topk_ids: torch.Tensor, n_experts: int, *, align: int = 0, capacity: int = 0, write_rows: bool = True,
+    arrivals_per_block: int = 0,
 ) -> MoeLayout:
     """Expert-sorted row layout of the routing result (deterministic; no device sync).
 
@@ -236,12 +243,17 @@ def permute(
         capacity: masked layout: expert e owns rows [e * capacity, (e + 1) * capacity) (DeepGEMM's
             `m_grouped_fp8_gemm_nt_masked`). Exactly one of `align`, `capacity` is given.
         write_rows: also produce `sorted_slot` and `row_expert` (the row -> slot / expert maps).
+        arrivals_per_block: compact layout: this many zeroed int32 counters per `align` rows in
+            `MoeLayout.arrivals` (0: None); at one chunk the permute kernel zeroes them (no memset launch between
+            it and the GEMM).
 
     Returns:
         The `MoeLayout`.
     """
     if (align > 0) == (capacity > 0):
         raise ValueError(f"align, capacity: give exactly one, got align={align}, capacity={capacity}")
+    if capacity and arrivals_per_block:
+        raise ValueError("arrivals_per_block: only for the compact layout (align), not with capacity")
     prepare_interpreter()
     device = topk_ids.device
     n_slots = topk_ids.numel()
@@ -250,6 +262,7 @@ def permute(
     else:
         # each non-empty expert wastes at most align - 1 rows
         n_rows = triton.cdiv(n_slots + min(n_experts, n_slots) * (align - 1), align) * align
+    arrivals = n_rows // align * arrivals_per_block if align else 0
     e_pad = triton.next_power_of_2(n_experts)
     n_chunks = triton.cdiv(n_slots, CHUNK)
     ids = topk_ids.reshape(-1)
@@ -258,18 +271,20 @@ def permute(
     slot_row = torch.empty(n_slots, dtype=torch.int32, device=device)
     if n_chunks == 1:
         rows = torch.empty((2, n_rows), dtype=torch.int32, device=device) if write_rows else None
+        counters = torch.empty(arrivals, dtype=torch.int32, device=device) if arrivals else None
         chunk = max(PERMUTE_MIN_CHUNK, triton.next_power_of_2(n_slots))
         _permute_chunk_kernel[(1,)](
             ids, expert_start, expert_count, slot_row, rows if rows is not None else slot_row,
-            n_slots, n_experts, n_rows, align, capacity,
+            counters if counters is not None else slot_row, n_slots, n_experts, n_rows, align, capacity, arrivals,
             CHUNK=chunk, E_PAD=e_pad, BLOCK_R=PERMUTE_BLOCK_R, WRITE_ROWS=write_rows, num_warps=_permute_warps(chunk),
             **pdl_launch(),
         )
         return MoeLayout(slot_row, rows[0] if rows is not None else None, rows[1] if rows is not None else None,
-                         expert_start, expert_count, n_rows, align, capacity)
+                         expert_start, expert_count, n_rows, align, capacity, counters)
     counts = torch.empty((n_chunks, e_pad), dtype=torch.int32, device=device)
     chunk_base = torch.empty_like(counts)
     rows = torch.full((2, n_rows), -1, dtype=torch.int32, device=device) if write_rows else None
+    counters = torch.zeros(arrivals, dtype=torch.int32, device=device) if arrivals else None
     if n_chunks:
         _count_kernel[(n_chunks,)](ids, counts, n_slots, n_experts, CHUNK=CHUNK, E_PAD=e_pad, **pdl_launch())
     _offsets_kernel[(1,)](counts, chunk_base, expert_start, expert_count, n_chunks, n_experts, align, capacity,
@@ -282,7 +297,7 @@ def permute(
             **pdl_launch(),
         )
     return MoeLayout(slot_row, rows[0] if rows is not None else None, rows[1] if rows is not None else None,
-                     expert_start, expert_count, n_rows, align, capacity)
+                     expert_start, expert_count, n_rows, align, capacity, counters)
 
 
 @triton.jit
@@ -443,10 +458,10 @@ AOT_SPECS = [
     *(
         AotSpec(f"moe_permute_chunk[E={e},rows={rows},chunk={chunk}]", _permute_chunk_kernel,
                 {"ids_ptr": "*i32", "expert_start_ptr": "*i32", "expert_count_ptr": "*i32", "slot_row_ptr": "*i32",
-                 "rows_ptr": "*i32", "n_slots": _I32, "n_experts": _I32, "n_rows": _I32, "align": _I32,
-                 "capacity": _I32},
+                 "rows_ptr": "*i32", "arrivals_ptr": "*i32", "n_slots": _I32, "n_experts": _I32, "n_rows": _I32,
+                 "align": _I32, "capacity": _I32, "n_arrivals": _I32},
                 {"CHUNK": chunk, "E_PAD": triton.next_power_of_2(e), "BLOCK_R": PERMUTE_BLOCK_R, "WRITE_ROWS": rows},
-                num_warps=_permute_warps(chunk), aligned=("ids_ptr", "slot_row_ptr", "rows_ptr"))
+                num_warps=_permute_warps(chunk), aligned=("ids_ptr", "slot_row_ptr", "rows_ptr", "arrivals_ptr"))
         for e in (256, 384) for rows in (True, False) for chunk in (PERMUTE_MIN_CHUNK, CHUNK // 2, CHUNK)
     ),
     AotSpec("moe_gather_rows", _gather_rows_kernel,

@@ -98,12 +98,15 @@ def routed_rows(
     n_slots = n_tokens * topk
     rows_per_expert = n_slots / max(min(n_experts, n_slots), 1)
     gate_up, down = _tiles(rows_per_expert, w13.shape, w2.shape)
-    layout = permute(topk_ids, n_experts, align=gate_up.block_m)
+    # gate/up tiles narrower than a quantization block count their arrivals per row block and block (`grouped_gemm`)
+    narrow = numerics.act_quant and gate_up.block_n < numerics.act_block
+    layout = permute(topk_ids, n_experts, align=gate_up.block_m,
+                     arrivals_per_block=w13.shape[-2] // 2 // numerics.act_block if narrow else 0)
     gate_up, down = _split_k(gate_up, down, layout.n_rows, w13.shape, w2.shape, a.device)
     common = {"layout": layout, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
     h, h_scale = grouped_gemm(a, a_scale, w13.data, w13.scale, config=gate_up, swiglu=True, topk=topk, gather=True,
                               topk_weights=topk_weights.reshape(-1), limit=clamp_limit(swiglu_limit),
-                              gate_up_bf16=numerics.gate_up_bf16, **common)
+                              gate_up_bf16=numerics.gate_up_bf16, arrivals=layout.arrivals, **common)
     y, _ = grouped_gemm(h, h_scale, w2.data, w2.scale, config=down, swiglu=False, **common)
     return y, layout
 
