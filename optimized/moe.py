@@ -48,7 +48,9 @@ class TiledFp8Weight:
 
     Attributes:
         data: [E, N / 128, K / 128, 128, 128] FP8; data[e, i, j] is rows 128 i .. 128 i + 127, columns
-            128 j .. 128 j + 127 of expert e (row-major inside the block).
+            128 j .. 128 j + 127 of expert e (row-major inside the block). Each block is contiguous; the blocks are
+            stored in either order: contiguous (N-block-major), or K-block-major (`tile_experts`: the view
+            `[E, K / 128, N / 128, 128, 128].permute(0, 2, 1, 3, 4)` of a contiguous tensor).
         scale: [E, N / 128, K / 128] fp32, block (i, j)'s scale (as `Fp8Weight.scale`).
     """
 
@@ -60,6 +62,9 @@ class TiledFp8Weight:
         b = FP8_WEIGHT_BLOCK
         if self.data.dim() != 5 or tuple(self.data.shape[3:]) != (b, b):
             raise ValueError(f"data: expected [E, N / {b}, K / {b}, {b}, {b}] FP8 blocks, got {tuple(self.data.shape)}")
+        if not (self.data.is_contiguous() or self.data.transpose(1, 2).is_contiguous()):
+            raise ValueError(f"data: expected contiguous blocks, N-block-major (contiguous) or K-block-major (a "
+                             f"transposed view of dims 1, 2), got strides {tuple(self.data.stride())}")
         if tuple(self.scale.shape) != tuple(self.data.shape[:3]) or self.scale.dtype != torch.float32:
             raise ValueError(f"scale: expected {tuple(self.data.shape[:3])} fp32 (one per block of data), got "
                              f"{tuple(self.scale.shape)} {self.scale.dtype}")
@@ -118,6 +123,10 @@ def fp8_experts(w13: ExpertWeight, w2: ExpertWeight,
 def tile_experts(weight: Fp8Weight | Fp4Weight, fmt: str | FP8Format) -> TiledFp8Weight:
     """Stacked [E, N, K] expert weights in the tiled layout (`TiledFp8Weight`): a copy, made once at load time.
 
+    The blocks are stored K-block-major ([E, K / 128, N / 128, 128, 128] in memory): at each K step the adjacent
+    column tiles of an expert read neighbouring blocks (design note 28: routed MoE T = 1 1.1-1.4 % faster than the
+    N-block-major order on an H100, T = 64 0.6 % slower).
+
     MXFP4 weights are re-encoded to FP8 in `fmt` first (losslessly, spec §2.6; not cached); FP8 weights must be in
     `fmt` already. N and K must be multiples of 128.
     """
@@ -132,8 +141,8 @@ def tile_experts(weight: Fp8Weight | Fp4Weight, fmt: str | FP8Format) -> TiledFp
         raise ValueError(f"weight: FP8 data in {fp8.data.dtype}, expected {name!r} (fmt)")
     e, n, k = fp8.data.shape
     b = FP8_WEIGHT_BLOCK
-    data = fp8.data.view(e, n // b, b, k // b, b).permute(0, 1, 3, 2, 4).contiguous()
-    return TiledFp8Weight(data, fp8.scale.contiguous())
+    data = fp8.data.view(e, n // b, b, k // b, b).permute(0, 3, 1, 2, 4).contiguous()  # [E, K / b, N / b, b, b]
+    return TiledFp8Weight(data.transpose(1, 2), fp8.scale.contiguous())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,6 +240,8 @@ def _check_weight(name: str, w: object, shape: tuple[int, ...], device: torch.de
     for part, t in parts.items():
         if t.device != device:
             raise ValueError(f"{name}.{part}: expected a tensor on {device} (x's device), got one on {t.device}")
+        if part == "data" and isinstance(w, TiledFp8Weight):
+            continue  # the block order is checked by TiledFp8Weight itself
         if not t.is_contiguous():
             raise ValueError(f"{name}.{part}: expected a contiguous tensor, got strides {tuple(t.stride())}")
     if not isinstance(w, Fp4Weight) and w.data.dtype != fp8_format(numerics.fp8_format).dtype:

@@ -66,8 +66,9 @@ def test_tma_and_dependent_launch_are_compiled_in_exactly_where_launches_ask_for
     """The einsum's `TMA` launches read through TMA on sm_90 and its pointer launches do not; every kernel with a `PDL`
     constexpr waits on its predecessor (`griddepcontrol.wait`) on sm_90, as `_pdl.pdl_launch` launches it there; no
     other sm_90 kernel does, and no AMD kernel has either (a silent fallback of either feature would pass every
-    numeric test). Likewise the split-K GEMMs' arrival counter: an acquire-release atomic at GPU scope on sm_90
-    exactly where SPLIT_K > 1 (a relaxed one would race only now and then)."""
+    numeric test). Likewise the arrival counter of the split-K GEMMs and of the gate/up tiles narrower than a
+    quantization block: an acquire-release atomic at GPU scope on sm_90 exactly where SPLIT_K > 1 or PARTS > 1 (a
+    relaxed one would race only now and then)."""
     from optimized.triton import einsum
     from optimized.triton.aot import all_specs
 
@@ -77,4 +78,5 @@ def test_tma_and_dependent_launch_are_compiled_in_exactly_where_launches_ask_for
         if spec.kernel is einsum._fp8_einsum_kernel:
             assert r["tma"] == (nvidia and spec.constexprs["TMA"]), r
         assert r["pdl"] == (nvidia and "PDL" in spec.kernel.arg_names), r
-        assert r["acq_rel"] == (nvidia and spec.constexprs.get("SPLIT_K", 1) > 1), r
+        counters = spec.constexprs.get("SPLIT_K", 1) > 1 or spec.constexprs.get("PARTS", 1) > 1
+        assert r["acq_rel"] == (nvidia and counters), r

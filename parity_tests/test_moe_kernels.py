@@ -493,6 +493,26 @@ def test_split_k_rule_splits_only_grids_that_leave_sms_idle() -> None:
     assert splits(1, 1, platform="amd") == (1, 1)
 
 
+def test_narrow_gate_up_rule_narrows_only_decode_grids_under_one_wave_of_official_numerics() -> None:
+    """`narrow_gate_up_for` at FLASH (I 2048: 16 tiles of 128 columns per row block) on the H100 / H200's 132 SMs:
+    the routed T = 1 grid (6 row blocks, 96 tiles) takes 32-column tiles; T = 2 (12 row blocks, 192 tiles), the
+    prefill tiles, AMD, MegaMoE's 32-wide activation blocks and a split tile keep theirs; a narrow tile is never
+    split (`split_k_for`: its quantization blocks are finished through counters)."""
+    import dataclasses
+
+    from optimized.triton.moe_gemm import GemmConfig, choose_config, narrow_gate_up_for, split_k_for
+
+    decode = choose_config(1, 2048, True)
+    narrow = narrow_gate_up_for(decode, 96, 2048, 128, 132)
+    assert narrow == GemmConfig(16, 32, 4, 4)
+    assert narrow_gate_up_for(decode, 192, 2048, 128, 132) == decode
+    assert narrow_gate_up_for(choose_config(128, 2048, True), 128, 2048, 128, 132).block_n == 128
+    assert narrow_gate_up_for(choose_config(1, 2048, True, platform="amd"), 96, 2048, 128, 132, "amd").block_n == 128
+    assert narrow_gate_up_for(decode, 96, 2048, 32, 132) == decode
+    assert narrow_gate_up_for(dataclasses.replace(decode, split_k=2), 16, 2048, 128, 132).block_n == 128
+    assert split_k_for(narrow, 16, 2048, 4096, 132, True) == narrow
+
+
 @needs_triton
 def test_swiglu_quant_equals_the_reference_swiglu_then_act_quant_and_keeps_nan_in_its_row() -> None:
     from optimized.deepgemm.moe import _mn_major_scales
@@ -586,12 +606,14 @@ def test_moe_equals_the_reference_and_the_module_equals_the_function(layer: int,
 @needs_triton
 @pytest.mark.parametrize("numerics", [OFFICIAL, MEGAMOE, EXACT], ids=["official", "megamoe_act_block_32", "exact_bf16"])
 def test_tiled_experts_hold_the_same_blocks_and_give_the_row_layouts_outputs_bitwise(numerics: Numerics) -> None:
-    """`tile_experts`: block (i, j) of expert e is `data[e, i, j]`, the scales are the weight's, an MXFP4 weight is
-    tiled from its lossless FP8 re-encode. The Triton GEMMs read the same values and scales in the same order from
-    either layout (only the addresses differ), so `experts` and the `MoE` module give the same bits."""
+    """`tile_experts`: block (i, j) of expert e is `data[e, i, j]`, stored K-block-major, the scales are the weight's,
+    an MXFP4 weight is tiled from its lossless FP8 re-encode. The Triton GEMMs read the same values and scales in the
+    same order from the row layout and from either block order (only the addresses differ), so `experts` and the
+    `MoE` module give the same bits."""
     fmt = numerics.fp8_format
     w = _weights(fmt=fmt)
     t13, t2 = omoe.tile_experts(w.w13, fmt), omoe.tile_experts(w.w2, fmt)
+    assert t13.data.transpose(1, 2).is_contiguous() and not t13.data.is_contiguous(), "K-block-major storage"
     assert t13.shape == tuple(w.w13.shape) and t2.shape == tuple(w.w2.shape)
     assert torch.equal(t13.data[3, 2, 1], w.w13.data[3, 256:384, 128:256]), "block (2, 1) of expert 3"
     assert torch.equal(t2.data[5, 1, 0], w.w2.data[5, 128:256, :128]), "block (1, 0) of expert 5"
@@ -604,6 +626,9 @@ def test_tiled_experts_hold_the_same_blocks_and_give_the_row_layouts_outputs_bit
     common = {"swiglu_limit": SMALL.swiglu_limit, "numerics": numerics, "backend": "triton"}
     rows = omoe.experts(x, ids, topk_weights, w.w13, w.w2, **common)
     _assert_bitwise(int((omoe.experts(x, ids, topk_weights, t13, t2, **common) != rows).sum()), "tiled experts")
+    n13, n2 = (omoe.TiledFp8Weight(t.data.contiguous(), t.scale) for t in (t13, t2))  # N-block-major storage
+    _assert_bitwise(int((omoe.experts(x, ids, topk_weights, n13, n2, **common) != rows).sum()),
+                    "tiled experts, N-block-major")
     layer = omoe.MoE(w, SMALL, numerics, backend="triton")
     assert layer.tiled is None, "MoE tiles on NVIDIA GPUs only (where it was measured)"
     want = layer(x)
@@ -673,6 +698,8 @@ def _bad_calls() -> list[tuple[str, object, type[Exception], str]]:
          "scale: expected (8, 4, 2) fp32 (one per block of data)"),
         ("tiled_weight_not_blocks", lambda: omoe.TiledFp8Weight(w.w13.data, w.w13.scale), ValueError,
          "data: expected [E, N / 128, K / 128, 128, 128] FP8 blocks"),
+        ("tiled_weight_blocks_not_contiguous", lambda: omoe.TiledFp8Weight(t13.data.transpose(3, 4), t13.scale),
+         ValueError, "data: expected contiguous blocks, N-block-major (contiguous) or K-block-major"),
         ("w2_wrong_shape", experts(w2=w.w13), ValueError, "w2: expected shape"),
         ("fp8_format_mismatch", experts(numerics=OFFICIAL.replace(fp8_format="e4m3fnuz")), ValueError,
          "do not match numerics.fp8_format"),

@@ -121,6 +121,32 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
     return GemmConfig(64, 128, 8, 4) if swiglu else GemmConfig(64, 128, 4, 3)
 
 
+# Narrow decode gate/up tiles (`narrow_gate_up_for`): 32 columns, 4 warps, 4 stages; a quarter of a quantization block.
+NARROW_GATE_UP_BLOCK_N = 32
+
+
+def narrow_gate_up_for(config: GemmConfig, n_rows: int, n_out: int, act_block: int, sms: int,
+                       platform: str = "nvidia") -> GemmConfig:
+    """`config` (a gate/up tile) with 32 columns instead of 128 where the 128-column decode grid leaves SMs idle.
+
+    At FLASH T = 1 the routed gate/up GEMM has 96 tiles of 128 columns (6 experts x 16) on 132 SMs, each streaming
+    1 MB of weights at what one program can keep in flight (design note 23). 32-column tiles (4 warps, 4 stages) run
+    384 programs over the same bytes; the SwiGLU output's 128-wide quantization blocks are then finished by the last
+    of each block's 4 tiles to arrive (`PARTS`: the same values and scales, so the same bits as 128-column tiles).
+    Only for NVIDIA decode tiles (BLOCK_M = 16) whose 128-column grid has fewer tiles than the GPU has SMs, with
+    128-wide activation blocks (official numerics; MegaMoE's 32-wide and EXACT's bf16 outputs were not measured).
+    Same-run A/B, routed MoE (`route` + `experts`, tiled experts stored K-block-major), FLASH, H100 (the machine this
+    session got), four rounds (`docs/h200/ab-moe-narrow-gate-up-h100.json`): T = 1 73.54 -> 72.67 us; at T = 8 and
+    64 (not narrowed by this rule: 768 and more tiles) 32-column tiles were 0.7 % faster and 1.1 % slower.
+    """
+    if (config.block_m != DECODE_BLOCK_M or platform != "nvidia" or act_block != FP8_WEIGHT_BLOCK
+            or config.block_n != FP8_WEIGHT_BLOCK or config.split_k != 1):
+        return config
+    if -(-n_rows // config.block_m) * (n_out // config.block_n) >= sms:
+        return config
+    return dataclasses.replace(config, block_n=NARROW_GATE_UP_BLOCK_N, num_warps=4, num_stages=4)
+
+
 # Split-K (`split_k_for`): programs per SM a split grid may fill, by GEMM (H200 occupancy: the decode gate/up tile,
 # 8 warps and 104 KB of shared memory, runs one per SM; the 4-warp down tile, 20 KB, several).
 SPLIT_PROGRAMS_PER_SM = {"gate_up": 1, "down": 2}
@@ -144,6 +170,8 @@ def split_k_for(config: GemmConfig, n_rows: int, n_out: int, k: int, sms: int, s
     """
     if config.block_m != DECODE_BLOCK_M or platform != "nvidia":
         return config
+    if swiglu and config.block_n < FP8_WEIGHT_BLOCK:
+        return config  # a narrow gate/up tile (`narrow_gate_up_for`) finishes its quantization blocks through counters
     n_tiles = -(-n_rows // config.block_m) * (n_out // config.block_n)
     budget = sms * SPLIT_PROGRAMS_PER_SM["gate_up" if swiglu else "down"]
     k_blocks = k // FP8_WEIGHT_BLOCK
@@ -593,6 +621,10 @@ AOT_SPECS = [
     *_per_platform("moe_gate_up", "rows/expert=128,act_block=32", 128, 4096, 2048, True, True, act_block=32),
     # tiled experts (`optimized.moe.tile_experts`): decode and prefill tiles of both routed GEMMs
     *_per_platform("moe_gate_up", "rows/expert=1,tiled", 1, 4096, 2048, True, True, tiled=True),
+    # NVIDIA's T = 1 gate/up tile, 32 columns whose last of four finishes each quantization block
+    _aot_gemm("moe_gate_up[T=1,tiled,narrow,nvidia]", narrow_gate_up_for(choose_config(1, 2048, True), 96, 2048, 128,
+                                                                          132),
+              4096, 2048, True, True, targets=PLATFORM_TARGETS["nvidia"], tiled=True),
     *_per_platform("moe_down", "rows/expert=1,tiled", 1, 2048, 4096, False, True, tiled=True),
     *_per_platform("moe_gate_up", "rows/expert=128,tiled", 128, 4096, 2048, True, True, tiled=True),
     *_per_platform("moe_down", "rows/expert=128,tiled", 128, 2048, 4096, False, True, tiled=True),

@@ -190,18 +190,17 @@ def _scatter_kernel(
 
 @triton.jit
 def _permute_chunk_kernel(
-    ids_ptr, expert_start_ptr, expert_count_ptr, slot_row_ptr, rows_ptr, arrivals_ptr,
+    ids_ptr, expert_start_ptr, expert_count_ptr, slot_row_ptr, rows_ptr,
     n_slots, n_experts, n_rows, align, capacity, n_arrivals,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_R: tl.constexpr, WRITE_ROWS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    ARRIVALS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """The three kernels above for a single chunk (chunk bases 0), in one program; with WRITE_ROWS, every row of
     `rows` = [sorted_slot; row_expert] ([2, n_rows], contiguous) is written (padding rows -1, as the fill before the
-    three kernels); the first `n_arrivals` entries of `arrivals` are zeroed (the counters of the GEMM that follows)."""
+    three kernels), and with ARRIVALS the `n_arrivals` entries after them zeroed (the counters of the GEMM that
+    follows; a constexpr, so that the launches without counters compile as before: at CHUNK = 128 the loop would
+    cost gfx942 / gfx950 two spilled registers, and only NVIDIA's T = 1 launch has counters, `narrow_gate_up_for`)."""
     pdl_wait(PDL)
-    for r0 in range(0, n_arrivals, BLOCK_R):
-        entries = r0 + tl.arange(0, BLOCK_R)
-        tl.store(arrivals_ptr + entries, tl.zeros([BLOCK_R], tl.int32), mask=entries < n_arrivals)
     lane = tl.arange(0, CHUNK)
     in_range = lane < n_slots
     eid = tl.load(ids_ptr + lane, mask=in_range, other=-1)
@@ -224,9 +223,18 @@ def _permute_chunk_kernel(
         for r0 in range(0, 2 * n_rows, BLOCK_R):
             entries = r0 + tl.arange(0, BLOCK_R)
             tl.store(rows_ptr + entries, tl.full([BLOCK_R], -1, tl.int32), mask=entries < 2 * n_rows)
+        if ARRIVALS:  # the counters after the row maps
+            for r0 in range(0, n_arrivals, BLOCK_R):
+                entries = r0 + tl.arange(0, BLOCK_R)
+                tl.store(rows_ptr + 2 * n_rows + entries, tl.zeros([BLOCK_R], tl.int32), mask=entries < n_arrivals)
         tl.debug_barrier()
         tl.store(rows_ptr + row, lane, mask=placed)
         tl.store(rows_ptr + n_rows + row, eid, mask=placed)
+
+
+def compact_rows(n_slots: int, n_experts: int, align: int) -> int:
+    """Rows `permute(align=align)` allocates for `n_slots` slots: each non-empty expert wastes at most align - 1."""
+    return triton.cdiv(n_slots + min(n_experts, n_slots) * (align - 1), align) * align
 
 
 def permute(
@@ -252,16 +260,12 @@ def permute(
     """
     if (align > 0) == (capacity > 0):
         raise ValueError(f"align, capacity: give exactly one, got align={align}, capacity={capacity}")
-    if capacity and arrivals_per_block:
-        raise ValueError("arrivals_per_block: only for the compact layout (align), not with capacity")
+    if arrivals_per_block and (capacity or not write_rows):
+        raise ValueError("arrivals_per_block: only for the compact layout (align) with write_rows")
     prepare_interpreter()
     device = topk_ids.device
     n_slots = topk_ids.numel()
-    if capacity:
-        n_rows = n_experts * capacity
-    else:
-        # each non-empty expert wastes at most align - 1 rows
-        n_rows = triton.cdiv(n_slots + min(n_experts, n_slots) * (align - 1), align) * align
+    n_rows = n_experts * capacity if capacity else compact_rows(n_slots, n_experts, align)
     arrivals = n_rows // align * arrivals_per_block if align else 0
     e_pad = triton.next_power_of_2(n_experts)
     n_chunks = triton.cdiv(n_slots, CHUNK)
@@ -270,13 +274,16 @@ def permute(
     expert_count = torch.empty(n_experts, dtype=torch.int32, device=device)
     slot_row = torch.empty(n_slots, dtype=torch.int32, device=device)
     if n_chunks == 1:
-        rows = torch.empty((2, n_rows), dtype=torch.int32, device=device) if write_rows else None
-        counters = torch.empty(arrivals, dtype=torch.int32, device=device) if arrivals else None
+        # the row maps and the counters in one buffer, filled in one loop
+        buffer = torch.empty(2 * n_rows + arrivals, dtype=torch.int32, device=device) if write_rows else None
+        rows = buffer[:2 * n_rows].view(2, n_rows) if buffer is not None else None
+        counters = buffer[2 * n_rows:] if arrivals else None
         chunk = max(PERMUTE_MIN_CHUNK, triton.next_power_of_2(n_slots))
         _permute_chunk_kernel[(1,)](
-            ids, expert_start, expert_count, slot_row, rows if rows is not None else slot_row,
-            counters if counters is not None else slot_row, n_slots, n_experts, n_rows, align, capacity, arrivals,
-            CHUNK=chunk, E_PAD=e_pad, BLOCK_R=PERMUTE_BLOCK_R, WRITE_ROWS=write_rows, num_warps=_permute_warps(chunk),
+            ids, expert_start, expert_count, slot_row, buffer if buffer is not None else slot_row,
+            n_slots, n_experts, n_rows, align, capacity, arrivals,
+            CHUNK=chunk, E_PAD=e_pad, BLOCK_R=PERMUTE_BLOCK_R, WRITE_ROWS=write_rows, ARRIVALS=arrivals > 0,
+            num_warps=_permute_warps(chunk),
             **pdl_launch(),
         )
         return MoeLayout(slot_row, rows[0] if rows is not None else None, rows[1] if rows is not None else None,
@@ -456,13 +463,17 @@ AOT_SPECS = [
         for e in (256, 384) for rows in (True, False)
     ),
     *(
-        AotSpec(f"moe_permute_chunk[E={e},rows={rows},chunk={chunk}]", _permute_chunk_kernel,
+        AotSpec(f"moe_permute_chunk[E={e},rows={rows},chunk={chunk}{',arrivals' if arrivals else ''}]",
+                _permute_chunk_kernel,
                 {"ids_ptr": "*i32", "expert_start_ptr": "*i32", "expert_count_ptr": "*i32", "slot_row_ptr": "*i32",
-                 "rows_ptr": "*i32", "arrivals_ptr": "*i32", "n_slots": _I32, "n_experts": _I32, "n_rows": _I32,
+                 "rows_ptr": "*i32", "n_slots": _I32, "n_experts": _I32, "n_rows": _I32,
                  "align": _I32, "capacity": _I32, "n_arrivals": _I32},
-                {"CHUNK": chunk, "E_PAD": triton.next_power_of_2(e), "BLOCK_R": PERMUTE_BLOCK_R, "WRITE_ROWS": rows},
-                num_warps=_permute_warps(chunk), aligned=("ids_ptr", "slot_row_ptr", "rows_ptr", "arrivals_ptr"))
+                {"CHUNK": chunk, "E_PAD": triton.next_power_of_2(e), "BLOCK_R": PERMUTE_BLOCK_R, "WRITE_ROWS": rows,
+                 "ARRIVALS": arrivals},
+                num_warps=_permute_warps(chunk), aligned=("ids_ptr", "slot_row_ptr", "rows_ptr"))
         for e in (256, 384) for rows in (True, False) for chunk in (PERMUTE_MIN_CHUNK, CHUNK // 2, CHUNK)
+        # the T = 1 launch of the narrow gate/up tiles' counters (`narrow_gate_up_for`)
+        for arrivals in ((False, True) if rows and chunk == PERMUTE_MIN_CHUNK else (False,))
     ),
     AotSpec("moe_gather_rows", _gather_rows_kernel,
             {"src_ptr": "*u8", "src_scale_ptr": "*fp32", "slot_row_ptr": "*i32", "dst_ptr": "*u8",

@@ -21,8 +21,8 @@ import torch
 from optimized.backends import detect
 from optimized.triton.aot import tile_platform
 from optimized.triton.einsum import num_sms
-from optimized.triton.moe_gemm import GemmConfig, choose_config, grouped_gemm, split_k_for
-from optimized.triton.moe_permute import MoeLayout, combine, permute
+from optimized.triton.moe_gemm import GemmConfig, choose_config, grouped_gemm, narrow_gate_up_for, split_k_for
+from optimized.triton.moe_permute import MoeLayout, combine, compact_rows, permute
 from optimized.triton.moe_routing import router_logits, router_topk
 from optimized.triton.quant import quantize_per_token
 from reference.config import DSv4Config
@@ -98,10 +98,14 @@ def routed_rows(
     n_slots = n_tokens * topk
     rows_per_expert = n_slots / max(min(n_experts, n_slots), 1)
     gate_up, down = _tiles(rows_per_expert, w13.shape, w2.shape)
+    n_out = w13.shape[-2] // 2
+    if numerics.act_quant:
+        gate_up = narrow_gate_up_for(gate_up, compact_rows(n_slots, n_experts, gate_up.block_m), n_out,
+                                     numerics.act_block, num_sms(a.device), tile_platform())
     # gate/up tiles narrower than a quantization block count their arrivals per row block and block (`grouped_gemm`)
     narrow = numerics.act_quant and gate_up.block_n < numerics.act_block
     layout = permute(topk_ids, n_experts, align=gate_up.block_m,
-                     arrivals_per_block=w13.shape[-2] // 2 // numerics.act_block if narrow else 0)
+                     arrivals_per_block=n_out // numerics.act_block if narrow else 0)
     gate_up, down = _split_k(gate_up, down, layout.n_rows, w13.shape, w2.shape, a.device)
     common = {"layout": layout, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
     h, h_scale = grouped_gemm(a, a_scale, w13.data, w13.scale, config=gate_up, swiglu=True, topk=topk, gather=True,
