@@ -68,8 +68,7 @@ def test_tma_and_dependent_launch_are_compiled_in_exactly_where_launches_ask_for
     other sm_90 kernel does, and no AMD kernel has either (a silent fallback of either feature would pass every
     numeric test). Likewise the arrival counter of the split-K GEMMs and of the gate/up tiles narrower than a
     quantization block: an acquire-release atomic at GPU scope on sm_90 exactly where SPLIT_K > 1 or PARTS > 1 (a
-    relaxed one would race only now and then); and the routed gate/up GEMM's L2 prefetch exactly where PREFETCH_K > 0
-    (a prefetch dropped by the compiler would change no value)."""
+    relaxed one would race only now and then)."""
     from optimized.triton import einsum
     from optimized.triton.aot import all_specs
 
@@ -81,4 +80,3 @@ def test_tma_and_dependent_launch_are_compiled_in_exactly_where_launches_ask_for
         assert r["pdl"] == (nvidia and "PDL" in spec.kernel.arg_names), r
         counters = spec.constexprs.get("SPLIT_K", 1) > 1 or spec.constexprs.get("PARTS", 1) > 1
         assert r["acq_rel"] == (nvidia and counters), r
-        assert r.get("prefetch", False) == (nvidia and spec.constexprs.get("PREFETCH_K", 0) > 0), r

@@ -161,7 +161,6 @@ def compile_one(spec: AotSpec, target: tuple[str, str, Any, int, str]) -> dict[s
         ptx = kernel.asm.get("ptx", "") if backend == "cuda" else ""
         row["tma"] = "cp.async.bulk.tensor" in ptx  # TMA tile loads (the einsum's `TMA`)
         row["pdl"] = "griddepcontrol.wait" in ptx  # programmatic dependent launch (`_pdl.pdl_wait`)
-        row["prefetch"] = "prefetch.global.L2" in ptx  # the MoE gate/up GEMM's weight prefetch (`PREFETCH_K`)
         # the split-K arrival counter's atomic with acquire-release semantics at GPU scope (`moe_gemm._arrive`)
         row["acq_rel"] = "atom.global.gpu.acq_rel" in ptx
         row["ok"] = row["spills"] == 0 and row["shared"] <= MAX_SHARED_BYTES[name]

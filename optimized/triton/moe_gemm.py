@@ -77,9 +77,6 @@ class GemmConfig:
     num_stages: int
     split_k: int = 1
     swap_ab: bool = False  # the weight tile on the MMA's M side (`_block_dot`)
-    # K blocks of the tile's weights prefetched into L2 before the PDL wait (routed gate/up at decode, NVIDIA:
-    # `prefetch_for`; 0: none)
-    prefetch_k: int = 0
 
 
 def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: bool = False,
@@ -148,24 +145,6 @@ def narrow_gate_up_for(config: GemmConfig, n_rows: int, n_out: int, act_block: i
     if -(-n_rows // config.block_m) * (n_out // config.block_n) >= sms:
         return config
     return dataclasses.replace(config, block_n=NARROW_GATE_UP_BLOCK_N, num_warps=4, num_stages=4)
-
-
-# K blocks of weights each routed decode gate/up tile prefetches into L2 before its PDL wait (`prefetch_for`).
-ROUTED_PREFETCH_K = 2
-
-
-def prefetch_for(config: GemmConfig, platform: str = "nvidia") -> GemmConfig:
-    """`config` (the routed gate/up tile) with `ROUTED_PREFETCH_K` K blocks of its weights prefetched into L2 before
-    its PDL wait, for the NVIDIA decode tiles (BLOCK_M = 16).
-
-    The routed step launches permute -> activation quantization -> gate/up GEMM (`moe_pipeline.routed_rows`), each
-    under PDL: the GEMM's programs are resident while the quantization runs, with DRAM idle, and the permute before
-    it has completed, so each program reads its expert from the layout and prefetches the first K blocks of its
-    weight rows (a few MB over the grid); its K loop then finds them in L2. The prefetch changes no value.
-    """
-    if config.block_m != DECODE_BLOCK_M or platform != "nvidia":
-        return config
-    return dataclasses.replace(config, prefetch_k=ROUTED_PREFETCH_K)
 
 
 # Split-K (`split_k_for`): programs per SM a split grid may fill, by GEMM (H200 occupancy: the decode gate/up tile,
@@ -269,13 +248,6 @@ def _sum_slices(ptrs, valid, slice_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """`prefetch.global.L2` of the 128-byte line at each address (sm_90 PTX: no value, no fault on the result)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _block_dot(a, w, sa, sw, A_FP8: tl.constexpr, SWAP_AB: tl.constexpr):
     """One K block's partial sum, promoted (spec §2.5): `dot(a, w) * sa[row] * sw[col]` in fp32.
 
@@ -303,7 +275,7 @@ def _block_dot(a, w, sa, sw, A_FP8: tl.constexpr, SWAP_AB: tl.constexpr):
 def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
     sorted_slot_ptr, row_expert_ptr, topk_w_ptr, partial_ptr, arrivals_ptr,
-    n_rows, n_experts, limit, stride_ps,
+    n_rows, limit, stride_ps,
     stride_am, stride_asm, stride_ask,
     stride_we, stride_wn, stride_wkb, stride_wse, stride_wsn, stride_wsk,
     stride_om, stride_osm, stride_osk,
@@ -312,38 +284,18 @@ def _grouped_gemm_kernel(
     A_FP8: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_BF16: tl.constexpr, ACT_BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-    W_TILED: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PARTS: tl.constexpr = 1, PREFETCH_K: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
+    W_TILED: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PARTS: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """out[rows, n-tile] of one expert: load tiles, block-scaled accumulate, epilogue, store.
 
     BLOCK_K = ACT_BLOCK for FP8 A (one activation scale per K step), 128 for bf16 A (one weight scale).
     With SPLIT_K > 1, program (m, n, s) accumulates the s-th of SPLIT_K equal K slices; the tile's last
     program to finish adds the slices' partial sums (`_sum_slices`) and runs the epilogue.
-    With PREFETCH_K > 0 (grouped, under PDL), the tile's first PREFETCH_K K blocks of weights are prefetched into L2
-    before the PDL wait (`GemmConfig.prefetch_k`).
     """
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if PREFETCH_K > 0:
-        # Before the wait, while the kernel before this one runs: the permute ran before that one and has completed
-        # (`prefetch_for`), so row_expert is read through L2 (`.cg`); a stale value could only misplace a prefetch,
-        # nothing read here reaches the output
-        e_pre = tl.load(row_expert_ptr + pid_m * BLOCK_M, cache_modifier=".cg")
-        if (e_pre >= 0) & (e_pre < n_experts):
-            n_pre = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            if W_TILED:
-                rows_pre = (n_pre // WEIGHT_BLOCK) * (WEIGHT_BLOCK * stride_wn) + (n_pre % WEIGHT_BLOCK) * WEIGHT_BLOCK
-                k_pre = tl.arange(0, PREFETCH_K) * stride_wkb
-            else:
-                rows_pre = n_pre * stride_wn
-                k_pre = tl.arange(0, PREFETCH_K) * WEIGHT_BLOCK
-            pre = w_ptr + e_pre.to(tl.int64) * stride_we + rows_pre.to(tl.int64)[None, :] + k_pre[:, None]
-            _prefetch_l2(pre)
-            if SWIGLU:
-                _prefetch_l2(pre + N * stride_wn)
-    pdl_wait(PDL)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     weight = tl.zeros([BLOCK_M], dtype=tl.float32)
     # which expert, which rows are real, where their A rows are
@@ -524,12 +476,11 @@ def grouped_gemm(
         partial = torch.empty((n_rows, n_out), dtype=torch.float32, device=a.device)
     else:
         partial = dummy
-    pdl = pdl_launch()
     _grouped_gemm_kernel[grid](
         a, a_scale if a_fp8 else dummy, w, w_scale, out, out_scale if out_fp8 else dummy,
         layout.sorted_slot if layout is not None else dummy, layout.row_expert if layout is not None else dummy,
         topk_weights if topk_weights is not None else dummy, partial, arrivals,
-        n_rows, w.shape[0], float(limit), partial.stride(0) if split > 1 else 0,
+        n_rows, float(limit), partial.stride(0) if split > 1 else 0,
         a.stride(0), a_scale.stride(0) if a_fp8 else 0, a_scale.stride(1) if a_fp8 else 0,
         w.stride(0), w.stride(1) // FP8_WEIGHT_BLOCK if tiled else w.stride(1), w.stride(2) if tiled else 0,
         w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
@@ -538,8 +489,8 @@ def grouped_gemm(
         HAS_WEIGHT=topk_weights is not None, A_FP8=a_fp8, OUT_FP8=out_fp8, GATE_UP_BF16=gate_up_bf16,
         ACT_BLOCK=act_block, BLOCK_K=block_k, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, **fp8_constants(fmt), SPLIT_K=split, W_TILED=tiled, SWAP_AB=config.swap_ab,
-        PARTS=parts, PREFETCH_K=config.prefetch_k if layout is not None and pdl["PDL"] else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
+        PARTS=parts, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch(),
     )
     return out, out_scale
 
@@ -617,8 +568,7 @@ def _gemm_signature(a: str) -> dict[str, str]:
     return {
         "a_ptr": a, "a_scale_ptr": "*fp32", "w_ptr": "*{fp8}", "w_scale_ptr": "*fp32", "out_ptr": "*{fp8}",
         "out_scale_ptr": "*fp32", "sorted_slot_ptr": "*i32", "row_expert_ptr": "*i32", "topk_w_ptr": "*fp32",
-        "partial_ptr": "*fp32", "arrivals_ptr": "*i32", "n_rows": "i32", "n_experts": "i32", "limit": "fp32",
-        "stride_ps": "i32",
+        "partial_ptr": "*fp32", "arrivals_ptr": "*i32", "n_rows": "i32", "limit": "fp32", "stride_ps": "i32",
         **{k: "i32" for k in ("stride_am", "stride_asm", "stride_ask", "stride_we", "stride_wn", "stride_wkb",
                               "stride_wse", "stride_wsn", "stride_wsk", "stride_om", "stride_osm", "stride_osk")},
     }
@@ -638,8 +588,7 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
          "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "OUT_FP8": swiglu, "GATE_UP_BF16": True,
          "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
          "SPLIT_K": config.split_k, "W_TILED": tiled, "SWAP_AB": config.swap_ab,
-         "PARTS": act_block // config.block_n if swiglu and config.block_n < act_block else 1,
-         "PREFETCH_K": config.prefetch_k},
+         "PARTS": act_block // config.block_n if swiglu and config.block_n < act_block else 1},
         fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned, targets=targets,
     )
 
@@ -652,7 +601,6 @@ def _per_platform(name: str, label: str, rows_per_expert: int, k: int, n: int, s
             for platform, targets in PLATFORM_TARGETS.items()]
 
 
-_T1_GATE_UP = prefetch_for(narrow_gate_up_for(choose_config(1, 2048, True), 96, 2048, 128, 132))
 # FLASH shapes (D 4096, I 2048): decode and prefill tiles of both GEMMs, routed and shared.
 AOT_SPECS = [
     *_per_platform("moe_gate_up", "rows/expert=1", 1, 4096, 2048, True, True),
@@ -673,10 +621,10 @@ AOT_SPECS = [
     *_per_platform("moe_gate_up", "rows/expert=128,act_block=32", 128, 4096, 2048, True, True, act_block=32),
     # tiled experts (`optimized.moe.tile_experts`): decode and prefill tiles of both routed GEMMs
     *_per_platform("moe_gate_up", "rows/expert=1,tiled", 1, 4096, 2048, True, True, tiled=True),
-    # NVIDIA's routed T = 1 gate/up tile: 32 columns, the last of four finishes each quantization block, and its first
-    # K blocks of weights prefetched before the PDL wait
-    _aot_gemm("moe_gate_up[T=1,tiled,narrow,prefetch,nvidia]", _T1_GATE_UP, 4096, 2048, True, True,
-              targets=PLATFORM_TARGETS["nvidia"], tiled=True),
+    # NVIDIA's T = 1 gate/up tile, 32 columns whose last of four finishes each quantization block
+    _aot_gemm("moe_gate_up[T=1,tiled,narrow,nvidia]", narrow_gate_up_for(choose_config(1, 2048, True), 96, 2048, 128,
+                                                                          132),
+              4096, 2048, True, True, targets=PLATFORM_TARGETS["nvidia"], tiled=True),
     *_per_platform("moe_down", "rows/expert=1,tiled", 1, 2048, 4096, False, True, tiled=True),
     *_per_platform("moe_gate_up", "rows/expert=128,tiled", 128, 4096, 2048, True, True, tiled=True),
     *_per_platform("moe_down", "rows/expert=128,tiled", 128, 2048, 4096, False, True, tiled=True),

@@ -2,7 +2,7 @@
 `moe_routing`, `moe_permute`, `moe_gemm` and the activation quantization of `quant`.
 
     route:    router_logits -> router_topk
-    experts:  permute -> act_quant(x) once per token -> gate/up GEMM (gathers token rows; SwiGLU, clamp,
+    experts:  act_quant(x) once per token -> permute -> gate/up GEMM (gathers token rows; SwiGLU, clamp,
               routing weight and the FP8 quantization in its epilogue) -> down GEMM -> combine
     moe:      route -> experts' rows + the shared expert (the same two GEMMs, ungrouped, on the same
               quantized x; at decode split over K, `moe_gemm.split_k_for`) -> combine (the shared output added
@@ -14,7 +14,6 @@ returns without launching a kernel when T = 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,14 +21,7 @@ import torch
 from optimized.backends import detect
 from optimized.triton.aot import tile_platform
 from optimized.triton.einsum import num_sms
-from optimized.triton.moe_gemm import (
-    GemmConfig,
-    choose_config,
-    grouped_gemm,
-    narrow_gate_up_for,
-    prefetch_for,
-    split_k_for,
-)
+from optimized.triton.moe_gemm import GemmConfig, choose_config, grouped_gemm, narrow_gate_up_for, split_k_for
 from optimized.triton.moe_permute import MoeLayout, combine, compact_rows, permute
 from optimized.triton.moe_routing import router_logits, router_topk
 from optimized.triton.quant import quantize_per_token
@@ -87,43 +79,9 @@ def _split_k(gate_up: GemmConfig, down: GemmConfig, n_rows: int, w13: Shape, w2:
             split_k_for(down, n_rows, w2[-2], w2[-1], sms, False, platform))
 
 
-@dataclass(frozen=True)
-class RoutedPlan:
-    """The tiles of the routed GEMMs and the expert-sorted layout of one routing result (`routed_plan`)."""
-
-    gate_up: GemmConfig
-    down: GemmConfig
-    layout: MoeLayout
-
-
-def routed_plan(topk_ids: torch.Tensor, w13: Shape, w2: Shape, numerics: Numerics) -> RoutedPlan:
-    """Tiles for weights of logical shapes w13 [E, 2I, D], w2 [E, D, I] and the layout of `topk_ids` [T, k] int32.
-
-    Launches the permute; callers run the activation quantization after it, so that the gate/up GEMM's weight
-    prefetch (`prefetch_for`) overlaps the quantization with the layout already complete.
-    """
-    n_tokens, topk = topk_ids.shape
-    n_experts, n_out = w13[0], w13[-2] // 2
-    n_slots = n_tokens * topk
-    rows_per_expert = n_slots / max(min(n_experts, n_slots), 1)
-    gate_up, down = _tiles(rows_per_expert, w13, w2)
-    platform, device = tile_platform(), topk_ids.device
-    if numerics.act_quant:
-        gate_up = narrow_gate_up_for(gate_up, compact_rows(n_slots, n_experts, gate_up.block_m), n_out,
-                                     numerics.act_block, num_sms(device), platform)
-    gate_up = prefetch_for(gate_up, platform)
-    # gate/up tiles narrower than a quantization block count their arrivals per row block and block (`grouped_gemm`)
-    narrow = numerics.act_quant and gate_up.block_n < numerics.act_block
-    layout = permute(topk_ids, n_experts, align=gate_up.block_m,
-                     arrivals_per_block=n_out // numerics.act_block if narrow else 0)
-    gate_up, down = _split_k(gate_up, down, layout.n_rows, w13, w2, device)
-    return RoutedPlan(gate_up, down, layout)
-
-
 def routed_rows(
     a: torch.Tensor, a_scale: torch.Tensor | None, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: Fp8Weight | TiledFp8Weight, w2: Fp8Weight | TiledFp8Weight, *, swiglu_limit: float, numerics: Numerics,
-    plan: RoutedPlan | None = None,
 ) -> tuple[torch.Tensor, MoeLayout]:
     """The routed experts' outputs, one bf16 row per (token, slot) in the expert-sorted layout.
 
@@ -131,19 +89,29 @@ def routed_rows(
         a, a_scale: the activation of `activation(x)`.
         topk_ids: [T, k] int32 contiguous; topk_weights: [T, k] fp32 contiguous.
         w13, w2: [E, 2I, D] and [E, D, I] FP8 experts in `numerics.fp8_format`, row-major or tiled.
-        plan: `routed_plan(topk_ids, ...)` made before `a` was quantized, or None (made here).
 
     Returns:
         y [n_rows, D] bf16 and the layout that maps slots to its rows.
     """
-    if plan is None:
-        plan = routed_plan(topk_ids, w13.shape, w2.shape, numerics)
-    topk, layout = topk_ids.shape[1], plan.layout
+    n_tokens, topk = topk_ids.shape
+    n_experts = w13.data.shape[0]
+    n_slots = n_tokens * topk
+    rows_per_expert = n_slots / max(min(n_experts, n_slots), 1)
+    gate_up, down = _tiles(rows_per_expert, w13.shape, w2.shape)
+    n_out = w13.shape[-2] // 2
+    if numerics.act_quant:
+        gate_up = narrow_gate_up_for(gate_up, compact_rows(n_slots, n_experts, gate_up.block_m), n_out,
+                                     numerics.act_block, num_sms(a.device), tile_platform())
+    # gate/up tiles narrower than a quantization block count their arrivals per row block and block (`grouped_gemm`)
+    narrow = numerics.act_quant and gate_up.block_n < numerics.act_block
+    layout = permute(topk_ids, n_experts, align=gate_up.block_m,
+                     arrivals_per_block=n_out // numerics.act_block if narrow else 0)
+    gate_up, down = _split_k(gate_up, down, layout.n_rows, w13.shape, w2.shape, a.device)
     common = {"layout": layout, "numerics_fmt": numerics.fp8_format, "act_block": numerics.act_block}
-    h, h_scale = grouped_gemm(a, a_scale, w13.data, w13.scale, config=plan.gate_up, swiglu=True, topk=topk,
-                              gather=True, topk_weights=topk_weights.reshape(-1), limit=clamp_limit(swiglu_limit),
+    h, h_scale = grouped_gemm(a, a_scale, w13.data, w13.scale, config=gate_up, swiglu=True, topk=topk, gather=True,
+                              topk_weights=topk_weights.reshape(-1), limit=clamp_limit(swiglu_limit),
                               gate_up_bf16=numerics.gate_up_bf16, arrivals=layout.arrivals, **common)
-    y, _ = grouped_gemm(h, h_scale, w2.data, w2.scale, config=plan.down, swiglu=False, **common)
+    y, _ = grouped_gemm(h, h_scale, w2.data, w2.scale, config=down, swiglu=False, **common)
     return y, layout
 
 
@@ -173,10 +141,9 @@ def experts(
         return torch.empty_like(x)
     w13, w2 = fp8_experts(w13, w2, numerics.fp8_format)
     ids = topk_ids.to(torch.int32).contiguous()
-    plan = routed_plan(ids, w13.shape, w2.shape, numerics)  # the permute before the quantization: `prefetch_for`
     a, a_scale = activation(x, numerics)
     y, layout = routed_rows(a, a_scale, ids, topk_weights.float().contiguous(), w13, w2,
-                            swiglu_limit=swiglu_limit, numerics=numerics, plan=plan)
+                            swiglu_limit=swiglu_limit, numerics=numerics)
     return combine(y, layout, ids)
 
 
@@ -194,10 +161,8 @@ def moe(
         return torch.empty_like(x)
     w13, w2 = routed if routed is not None else fp8_experts(weights.w13, weights.w2, numerics.fp8_format)
     ids, topk_weights = route(x, weights.gate, weights.bias, token_ids=token_ids, tid2eid=weights.tid2eid, cfg=cfg)
-    plan = routed_plan(ids, w13.shape, w2.shape, numerics)
     a, a_scale = activation(x, numerics)
-    y, layout = routed_rows(a, a_scale, ids, topk_weights, w13, w2, swiglu_limit=cfg.swiglu_limit, numerics=numerics,
-                            plan=plan)
+    y, layout = routed_rows(a, a_scale, ids, topk_weights, w13, w2, swiglu_limit=cfg.swiglu_limit, numerics=numerics)
     shared = shared_rows(a, a_scale, weights.shared_w13, weights.shared_w2, swiglu_limit=cfg.swiglu_limit,
                          numerics=numerics)
     return combine(y, layout, ids, shared)
