@@ -17,7 +17,8 @@ hash layer. A non-hash `moe` takes its ids from its own router and reads nothing
 
 Tiled experts (`tile_experts` -> `TiledFp8Weight`, triton backend only): the same FP8 values and scales stored one
 128 x 128 weight block after another, so each K step of a Triton GEMM tile reads one 16 KB run instead of 128 runs
-of 128 bytes 4 KB apart (design note 24). `MoE(...)` tiles its routed experts at construction on NVIDIA GPUs.
+of 128 bytes 4 KB apart (design note 24), the blocks K-block-major (design note 28). `MoE(...)` tiles its routed
+experts at construction on NVIDIA GPUs.
 
 MXFP4 experts (the checkpoint format) run on the FP8 kernels after a lossless re-encode to 128x128
 block FP8 (`Fp4Weight.to_fp8`, spec §2.6; SM90 has no FP4 MMA). The re-encoded weight is cached per
@@ -124,8 +125,8 @@ def tile_experts(weight: Fp8Weight | Fp4Weight, fmt: str | FP8Format) -> TiledFp
     """Stacked [E, N, K] expert weights in the tiled layout (`TiledFp8Weight`): a copy, made once at load time.
 
     The blocks are stored K-block-major ([E, K / 128, N / 128, 128, 128] in memory): at each K step the adjacent
-    column tiles of an expert read neighbouring blocks (design note 28: routed MoE T = 1 1.1-1.4 % faster than the
-    N-block-major order on an H100, T = 64 0.6 % slower).
+    column tiles of an expert read neighbouring blocks (design notes 26 and 28: routed MoE T = 1 1.0-1.9 % faster
+    than the N-block-major order on an H100, T = 64 0.2-0.8 % slower).
 
     MXFP4 weights are re-encoded to FP8 in `fmt` first (losslessly, spec §2.6; not cached); FP8 weights must be in
     `fmt` already. N and K must be multiples of 128.

@@ -91,9 +91,11 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
     |               | down    | 64      | 128     | 4 (8) | 3 (2)  | expert than 128 (E x 32 rows on avg.) |
 
     The gate/up GEMM keeps BLOCK_N = 128: its epilogue quantizes whole 128-wide blocks, and it holds two
-    accumulators (gate and up), which is why its tiles stop at 64 x 128 per 8 warps. Decode gate/up on NVIDIA:
-    8 warps and 4 stages keep more of the weight stream in flight (H200 sweep, `python -m benchmarks.sweep_moe`,
-    docs/h200/sweep-moe.json: FLASH T = 1 34 us against 57 with 4 warps and 2 stages); those 4 stages take
+    accumulators (gate and up), which is why its tiles stop at 64 x 128 per 8 warps; narrower tiles finish their
+    blocks through arrival counters (`PARTS`), which NVIDIA's routed grids under one wave take
+    (`narrow_gate_up_for`). Decode gate/up on NVIDIA: 8 warps and 4 stages keep more of the weight stream in flight
+    (H200 sweep, `python -m benchmarks.sweep_moe`, docs/h200/sweep-moe.json: FLASH T = 1 34 us against 57 with 4
+    warps and 2 stages); those 4 stages take
     104 KB of shared memory, over gfx942's 64 KB LDS, so AMD keeps the bracketed 4 warps and 2 stages. Prefill on
     NVIDIA: 4 stages for gate/up and 4 warps with 3 stages for down took the Triton experts at FLASH T = 4096 from
     4670 to 3222 us and at T = 8192 from 7732 to 5305 us (H200, same-run A/B of six tile pairs, outputs bitwise
@@ -135,9 +137,10 @@ def narrow_gate_up_for(config: GemmConfig, n_rows: int, n_out: int, act_block: i
     of each block's 4 tiles to arrive (`PARTS`: the same values and scales, so the same bits as 128-column tiles).
     Only for NVIDIA decode tiles (BLOCK_M = 16) whose 128-column grid has fewer tiles than the GPU has SMs, with
     128-wide activation blocks (official numerics; MegaMoE's 32-wide and EXACT's bf16 outputs were not measured).
-    Same-run A/B, routed MoE (`route` + `experts`, tiled experts stored K-block-major), FLASH, H100 (the machine this
-    session got), four rounds (`docs/h200/ab-moe-narrow-gate-up-h100.json`): T = 1 73.54 -> 72.67 us; at T = 8 and
-    64 (not narrowed by this rule: 768 and more tiles) 32-column tiles were 0.7 % faster and 1.1 % slower.
+    Same-run A/B on an H100 (the machine this session got; design note 28), routed MoE (`route` + `experts`), FLASH,
+    tiled experts stored K-block-major, four rounds (`docs/h200/ab-moe-narrow-gate-up-sweep-h100.json`): T = 1 73.54
+    -> 72.67 us (64-column tiles 73.36, 32 columns in 3 stages or 2 warps slower); at T = 8 and 64, which this rule
+    leaves at 128 columns (768 tiles and more), 32-column tiles were 0.7 % faster and 1.1 % slower (N-block-major).
     """
     if (config.block_m != DECODE_BLOCK_M or platform != "nvidia" or act_block != FP8_WEIGHT_BLOCK
             or config.block_n != FP8_WEIGHT_BLOCK or config.split_k != 1):
