@@ -6,9 +6,10 @@
 At T in {1, 8, 64} (rows per active expert <= 16: `moe_gemm.choose_config`'s decode row) times the two
 `moe_gemm.grouped_gemm` launches of the routed experts, gate/up (gather, SwiGLU, routing weight, FP8 epilogue)
 and down, with every candidate `GemmConfig` (BLOCK_N, warps, stages, swap-AB; BLOCK_M stays 16, the permute
-alignment), plus the whole Triton `experts` call with the defaults. The experts are in the layout `optimized.MoE`
-runs them in on this device (tiled on NVIDIA GPUs, `optimized.moe.tiling_helps`). Writes `DIR/sweep_moe.json`
-and prints a table.
+alignment; gate/up also 32 and 64 columns, whose quantization blocks are finished through the layout's counters),
+plus the whole Triton `experts` call with the defaults (gate/up: `choose_config`, then `narrow_gate_up_for`). The
+experts are in the layout `optimized.MoE` runs them in on this device (tiled on NVIDIA GPUs,
+`optimized.moe.tiling_helps`). Writes `DIR/sweep_moe.json` and prints a table.
 
 Timing is `benchmarks.sweeping.time_graph`. The calls rotate over `ROTATIONS` routings that pick other
 experts, so the expert weights a call reads stream from HBM (T = 1 reads 6 experts, ~150 MB at FLASH) as they do
@@ -53,10 +54,11 @@ def all_jobs(smoke: bool) -> list[Job]:
     from optimized.triton.moe_gemm import GemmConfig as C
 
     gate_up = [C(16, 128, w, st, swap_ab=swap) for swap in (False, True) for w in (4, 8) for st in (2, 3, 4, 5, 6)]
+    gate_up += [C(16, n, 4, st) for n in (32, 64) for st in (3, 4, 5)]
     down = [C(16, n, w, st, swap_ab=swap) for swap in (False, True) for n in (32, 64, 128) for w in (4, 8)
             for st in (2, 3, 4, 5)]
-    if smoke:
-        gate_up, down = gate_up[:1], down[:1]
+    if smoke:  # a 128-column and a narrow gate/up tile
+        gate_up, down = gate_up[:1] + gate_up[-1:], down[:1]
     jobs = []
     for t in SMOKE_TOKENS if smoke else TOKENS:
         jobs += [Job("experts", t), Job("gate_up", t)] + [Job("gate_up", t, c) for c in gate_up]
@@ -102,26 +104,42 @@ class Inputs:
         return self._held[1]
 
 
+def default_config(gemm: str, tokens: int, inputs: Inputs) -> Any:
+    """The tile `moe_pipeline.routed_rows` launches for `gemm` at `tokens` tokens (decode rows per expert)."""
+    from optimized.triton.einsum import num_sms
+    from optimized.triton.moe_gemm import choose_config, narrow_gate_up_for
+    from optimized.triton.moe_permute import compact_rows
+
+    cfg = inputs.cfg
+    config = choose_config(1.0, 0, swiglu=gemm == "gate_up")
+    if gemm != "gate_up":
+        return config
+    rows = compact_rows(tokens * cfg.n_activated_experts, cfg.n_routed_experts, config.block_m)
+    return narrow_gate_up_for(config, rows, cfg.moe_inter_dim, inputs.numerics.act_block,
+                              num_sms(torch.device(inputs.device)))
+
+
 def _gemm(job: Job, s: dict[str, Any], inputs: Inputs, config: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    from optimized.triton.moe_gemm import choose_config, grouped_gemm
+    from optimized.triton.moe_gemm import grouped_gemm
     from optimized.triton.moe_permute import permute
 
     w13, w2, fmt = inputs.w13, inputs.w2, inputs.numerics.fp8_format
-    if "layout" not in s:
-        s["layout"] = permute(s["ids"], w13.data.shape[0], align=16)
+    if "layout" not in s:  # with the counters of narrow gate/up tiles (each launch leaves them zeroed)
+        s["layout"] = permute(s["ids"], w13.data.shape[0], align=16,
+                              arrivals_per_block=inputs.cfg.moe_inter_dim // inputs.numerics.act_block)
     common = {"layout": s["layout"], "numerics_fmt": fmt, "act_block": inputs.numerics.act_block}
     if job.gemm == "gate_up":
         return grouped_gemm(s["a"], s["a_scale"], w13.data, w13.scale, config=config, swiglu=True,
                             topk=s["ids"].shape[1], gather=True, topk_weights=s["weights"].reshape(-1),
-                            limit=inputs.cfg.swiglu_limit, **common)
+                            limit=inputs.cfg.swiglu_limit, arrivals=s["layout"].arrivals, **common)
     if "h" not in s:
-        s["h"] = _gemm(dataclasses.replace(job, gemm="gate_up"), s, inputs, choose_config(1.0, 0, swiglu=True))
+        s["h"] = _gemm(dataclasses.replace(job, gemm="gate_up"), s, inputs,
+                       default_config("gate_up", job.tokens, inputs))
     return grouped_gemm(*s["h"], w2.data, w2.scale, config=config, swiglu=False, **common)
 
 
 def run_job(job: Job, inputs: Inputs, timed: bool, expected: torch.Tensor | None) -> tuple[dict[str, Any], Any]:
     """Run, check against `expected` (the default's output) and, when `timed`, time one job; never raises."""
-    from optimized.triton.moe_gemm import choose_config
     from optimized.triton.moe_pipeline import experts
     from parity_tests.metrics import calc_diff
     from parity_tests.tolerances import MOE_SIMULATED
@@ -130,7 +148,7 @@ def run_job(job: Job, inputs: Inputs, timed: bool, expected: torch.Tensor | None
     out = None
     try:
         sets = inputs.get(job.tokens)
-        config = job.config or choose_config(1.0, 0, swiglu=job.gemm == "gate_up")
+        config = job.config or default_config(job.gemm, job.tokens, inputs)
 
         def call(i: int) -> Any:
             s = sets[i % len(sets)]
