@@ -473,6 +473,12 @@ def test_gate_up_tiles_narrower_than_a_quantization_block_quantize_it_in_its_las
     with pytest.raises(ValueError, match=re.escape("config: a split K (split_k = 2) needs tiles of whole")):
         moe_gemm.grouped_gemm(*gate_up_args, **{**gate_up_kwargs, "config": moe_gemm.GemmConfig(16, 16, 4, 1, 2),
                                                 "arrivals": None})
+    with pytest.raises(ValueError, match=re.escape("arrivals_per_block: only for the compact layout")):
+        permute(case.ids, case.cfg.n_routed_experts, capacity=8, arrivals_per_block=2)
+    # more slots than one permute chunk: the counters come zeroed from a fill, one per row block and block
+    many = permute(torch.arange(200 * 4, dtype=torch.int32).reshape(200, 4) % case.cfg.n_routed_experts,
+                   case.cfg.n_routed_experts, align=16, arrivals_per_block=3)
+    assert many.arrivals.shape == (many.n_rows // 16 * 3,) and int(many.arrivals.abs().sum()) == 0
 
 
 def test_split_k_rule_splits_only_grids_that_leave_sms_idle() -> None:

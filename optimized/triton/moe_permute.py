@@ -274,7 +274,7 @@ def permute(
     expert_count = torch.empty(n_experts, dtype=torch.int32, device=device)
     slot_row = torch.empty(n_slots, dtype=torch.int32, device=device)
     if n_chunks == 1:
-        # the row maps and the counters in one buffer, filled in one loop
+        # the row maps and, after them, the counters: one buffer, filled by the kernel
         buffer = torch.empty(2 * n_rows + arrivals, dtype=torch.int32, device=device) if write_rows else None
         rows = buffer[:2 * n_rows].view(2, n_rows) if buffer is not None else None
         counters = buffer[2 * n_rows:] if arrivals else None
