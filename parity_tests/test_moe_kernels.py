@@ -361,7 +361,7 @@ class _GemmCase:
         w, cfg, a, a_scale, common = self.w, self.cfg, self.a, self.a_scale, self.common
         # tiles narrower than a quantization block take their counters from the permute (the shared expert's below
         # are allocated by `grouped_gemm`)
-        narrow = self.numerics.act_quant and gate_up.block_n < self.numerics.act_block
+        narrow = self.numerics.act_quant and moe_gemm.block_parts(gate_up, self.numerics.act_block) > 1
         layout = permute(self.ids, cfg.n_routed_experts, align=gate_up.block_m,
                          arrivals_per_block=cfg.moe_inter_dim // self.numerics.act_block if narrow else 0)
         h, h_scale = moe_gemm.grouped_gemm(a, a_scale, w.w13.data, w.w13.scale, config=gate_up, swiglu=True,

@@ -123,6 +123,12 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
     return GemmConfig(64, 128, 8, 4) if swiglu else GemmConfig(64, 128, 4, 3)
 
 
+def block_parts(config: GemmConfig, act_block: int) -> int:
+    """Gate/up tiles that share each `act_block`-wide quantization block of the FP8 output (`PARTS`): 1 when a tile
+    holds whole blocks, else act_block / BLOCK_N (the last of them to arrive quantizes the block)."""
+    return act_block // config.block_n if config.block_n < act_block else 1
+
+
 # Narrow decode gate/up tiles (`narrow_gate_up_for`): 32 columns, 4 warps, 4 stages; a quarter of a quantization block.
 NARROW_GATE_UP_BLOCK_N = 32
 
@@ -458,7 +464,7 @@ def grouped_gemm(
     if split < 1 or k_dim % (split * block_k):
         raise ValueError(f"config: split_k = {split} must divide the {k_dim // block_k} K blocks of {block_k}")
     grid = (triton.cdiv(n_rows, config.block_m), n_out // config.block_n, split)
-    parts = act_block // config.block_n if out_fp8 and config.block_n < act_block else 1
+    parts = block_parts(config, act_block) if out_fp8 else 1
     if parts > 1 and split > 1:
         raise ValueError(f"config: a split K (split_k = {split}) needs tiles of whole quantization blocks "
                          f"(block_n = {config.block_n} < act_block = {act_block})")
@@ -591,7 +597,7 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
          "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "OUT_FP8": swiglu, "GATE_UP_BF16": True,
          "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
          "SPLIT_K": config.split_k, "W_TILED": tiled, "SWAP_AB": config.swap_ab,
-         "PARTS": act_block // config.block_n if swiglu and config.block_n < act_block else 1},
+         "PARTS": block_parts(config, act_block) if swiglu else 1},
         fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned, targets=targets,
     )
 

@@ -21,7 +21,14 @@ import torch
 from optimized.backends import detect
 from optimized.triton.aot import tile_platform
 from optimized.triton.einsum import num_sms
-from optimized.triton.moe_gemm import GemmConfig, choose_config, grouped_gemm, narrow_gate_up_for, split_k_for
+from optimized.triton.moe_gemm import (
+    GemmConfig,
+    block_parts,
+    choose_config,
+    grouped_gemm,
+    narrow_gate_up_for,
+    split_k_for,
+)
 from optimized.triton.moe_permute import MoeLayout, combine, compact_rows, permute
 from optimized.triton.moe_routing import router_logits, router_topk
 from optimized.triton.quant import quantize_per_token
@@ -103,7 +110,7 @@ def routed_rows(
         gate_up = narrow_gate_up_for(gate_up, compact_rows(n_slots, n_experts, gate_up.block_m), n_out,
                                      numerics.act_block, num_sms(a.device), tile_platform())
     # gate/up tiles narrower than a quantization block count their arrivals per row block and block (`grouped_gemm`)
-    narrow = numerics.act_quant and gate_up.block_n < numerics.act_block
+    narrow = numerics.act_quant and block_parts(gate_up, numerics.act_block) > 1
     layout = permute(topk_ids, n_experts, align=gate_up.block_m,
                      arrivals_per_block=n_out // numerics.act_block if narrow else 0)
     gate_up, down = _split_k(gate_up, down, layout.n_rows, w13.shape, w2.shape, a.device)
