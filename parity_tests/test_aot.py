@@ -68,8 +68,10 @@ def test_tma_and_dependent_launch_are_compiled_in_exactly_where_launches_ask_for
     other sm_90 kernel does, and no AMD kernel has either (a silent fallback of either feature would pass every
     numeric test). Likewise the arrival counter of the split-K GEMMs and of the gate/up tiles narrower than a
     quantization block: an acquire-release atomic at GPU scope on sm_90 exactly where SPLIT_K > 1 or PARTS > 1 (a
-    relaxed one would race only now and then)."""
-    from optimized.triton import einsum
+    relaxed one would race only now and then). And the MoE GEMMs run Hopper's native FP8 wgmma on sm_90 exactly where
+    the tile puts 64 or more rows on the MMA's M side (BLOCK_M >= 64, or the weight rows of a swap-AB tile), which is
+    what swap-AB is for (`moe_gemm._block_dot`); the 16-row decode tiles lower to mma.sync."""
+    from optimized.triton import einsum, moe_gemm
     from optimized.triton.aot import all_specs
 
     specs = {spec.name: spec for spec in all_specs()}
@@ -80,3 +82,6 @@ def test_tma_and_dependent_launch_are_compiled_in_exactly_where_launches_ask_for
         assert r["pdl"] == (nvidia and "PDL" in spec.kernel.arg_names), r
         counters = spec.constexprs.get("SPLIT_K", 1) > 1 or spec.constexprs.get("PARTS", 1) > 1
         assert r["acq_rel"] == (nvidia and counters), r
+        if spec.kernel is moe_gemm._grouped_gemm_kernel:
+            c = spec.constexprs
+            assert r["wgmma"] == (nvidia and (c["SWAP_AB"] or c["BLOCK_M"] >= 64)), r

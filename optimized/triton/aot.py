@@ -163,6 +163,7 @@ def compile_one(spec: AotSpec, target: tuple[str, str, Any, int, str]) -> dict[s
         row["pdl"] = "griddepcontrol.wait" in ptx  # programmatic dependent launch (`_pdl.pdl_wait`)
         # the split-K arrival counter's atomic with acquire-release semantics at GPU scope (`moe_gemm._arrive`)
         row["acq_rel"] = "atom.global.gpu.acq_rel" in ptx
+        row["wgmma"] = "wgmma.mma_async" in ptx  # Hopper's native FP8 MMA (the swap-AB tiles, `moe_gemm._block_dot`)
         row["ok"] = row["spills"] == 0 and row["shared"] <= MAX_SHARED_BYTES[name]
     except Exception as exc:  # reported, and fails the check
         row["ok"] = False
