@@ -414,8 +414,10 @@ def test_split_k_gemms_add_their_slices_in_order_and_equal_the_whole_k_loop(nume
 @needs_triton
 @pytest.mark.parametrize("numerics", [OFFICIAL, MEGAMOE, EXACT], ids=["official", "megamoe_act_block_32", "exact_bf16"])
 def test_swap_ab_gemms_compute_the_same_products_transposed(numerics: Numerics) -> None:
-    """Swap-AB tiles (`GemmConfig.swap_ab`: `dot(w^T, a^T)`, the weight rows on the MMA's M side) on both GEMMs of
-    the routed and the shared expert, with split-K on top, against the reference (MOE_SIMULATED) and against the
+    """Swap-AB tiles (`GemmConfig.swap_ab`: `dot(w^T, a^T)`, the weight rows on the MMA's M side; the gate/up GEMM
+    stacks a tile's gate rows over its up rows for one dot) on both GEMMs of the routed and the shared expert, with
+    split-K on top and a narrow gate/up tile that finishes its quantization blocks through counters, against the
+    reference (MOE_SIMULATED) and against the
     unswapped tiles: the same per-block products, scales and epilogue, so what may differ is the order in which the
     MMA sums the 128 (32) products of a block, fp32 reassociation; the bound is the split-K test's 1e-9 (on the H200,
     where wgmma and mma.sync really differ, the whole routed MoE moved by calc_diff ~1e-6 after the FP8 re-quantization
@@ -425,11 +427,13 @@ def test_swap_ab_gemms_compute_the_same_products_transposed(numerics: Numerics) 
 
     case = _GemmCase(numerics)
     plain = case.run(moe_gemm.GemmConfig(16, 128, 4, 1), moe_gemm.GemmConfig(16, 128, 4, 1), "unswapped")
-    for split in (1, 2):
-        swapped = case.run(moe_gemm.GemmConfig(16, 128, 4, 1, split, swap_ab=True),
-                           moe_gemm.GemmConfig(16, 64, 4, 1, split, swap_ab=True), f"swap-AB, split {split}")
+    narrow = 16 if numerics.act_block == 32 else 32  # a quarter of a quantization block (`PARTS` = 4)
+    for block_n, split in ((128, 1), (128, 2), (narrow, 1)):
+        what = f"swap-AB, gate/up {block_n} columns, split {split}"
+        swapped = case.run(moe_gemm.GemmConfig(16, block_n, 4, 1, split, swap_ab=True),
+                           moe_gemm.GemmConfig(16, 64, 4, 1, split, swap_ab=True), what)
         for got, want in zip(swapped, plain):
-            assert calc_diff(got, want) <= 1e-9, f"swap-AB, split {split}: not the unswapped products"
+            assert calc_diff(got, want) <= 1e-9, f"{what}: not the unswapped products"
 
 
 @needs_triton

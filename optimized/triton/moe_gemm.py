@@ -329,22 +329,31 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    if SWAP_AB and SWIGLU:
+        # one stacked weight tile, one dot per K block: the tile's gate rows n over its up rows I + n
+        offs_w = tl.arange(0, 2 * BLOCK_N)
+        w_n = pid_n * BLOCK_N + offs_w % BLOCK_N + (offs_w // BLOCK_N) * N
+    else:
+        w_n = offs_n
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     if W_TILED:
         # w: [E, rows / 128, K / 128, 128, 128] (`optimized.moe.tile_experts`), each 128 x 128 block contiguous; the
         # 128-row blocks 128 * stride_wn apart, the K blocks stride_wkb apart
-        w_rows = (offs_n // WEIGHT_BLOCK) * (WEIGHT_BLOCK * stride_wn) + (offs_n % WEIGHT_BLOCK) * WEIGHT_BLOCK
+        w_rows = (w_n // WEIGHT_BLOCK) * (WEIGHT_BLOCK * stride_wn) + (w_n % WEIGHT_BLOCK) * WEIGHT_BLOCK
     else:
-        w_rows = offs_n * stride_wn
-    wg_ptrs = w_base + w_rows.to(tl.int64)[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-    wu_ptrs = wg_ptrs + N * stride_wn  # up rows I + n (gate/up GEMM only)
+        w_rows = w_n * stride_wn
+    wg_ptrs = w_base + w_rows.to(tl.int64)[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N] (stacked: 2 BLOCK_N)
+    wu_ptrs = wg_ptrs + N * stride_wn  # up rows I + n (unstacked gate/up GEMM only)
     ws_base = w_scale_ptr + expert * stride_wse
-    sg_ptrs = ws_base + (offs_n // WEIGHT_BLOCK) * stride_wsn
+    sg_ptrs = ws_base + (w_n // WEIGHT_BLOCK) * stride_wsn
     su_ptrs = ws_base + ((N + offs_n) // WEIGHT_BLOCK) * stride_wsn
 
-    if SWAP_AB:  # the accumulators are held transposed until the loop ends
+    if SWAP_AB and SWIGLU:  # gate over up, transposed until the loop ends
+        acc_g = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = acc_g
+    elif SWAP_AB:  # the accumulator is held transposed until the loop ends
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = acc_g
     else:
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -363,13 +372,16 @@ def _grouped_gemm_kernel(
         else:
             sa = sg  # not read: EXACT's bf16 A has no scale
         acc_g += _block_dot(a, wg, sa, sg, A_FP8, SWAP_AB)
-        if SWIGLU:
+        if SWIGLU and not SWAP_AB:
             wu = tl.load(wu_ptrs + kw)
             su = tl.load(su_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
             acc_u += _block_dot(a, wu, sa, su, A_FP8, SWAP_AB)
-    if SWAP_AB:
+    if SWAP_AB and SWIGLU:
+        # [2 BLOCK_N, BLOCK_M] -> [BLOCK_M, BLOCK_N, 2] -> gate [BLOCK_M, BLOCK_N], up [BLOCK_M, BLOCK_N]
+        stacked = tl.reshape(tl.trans(acc_g), [BLOCK_M, 2, BLOCK_N])
+        acc_g, acc_u = tl.split(tl.permute(stacked, (0, 2, 1)))
+    elif SWAP_AB:
         acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
 
     out_rows = rows.to(tl.int64)
     if SPLIT_K > 1:
