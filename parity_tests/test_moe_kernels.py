@@ -10,6 +10,7 @@ The GPU tests at the end run the Triton GPU tile configurations and DeepGEMM's t
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import re
@@ -483,6 +484,22 @@ def test_gate_up_tiles_narrower_than_a_quantization_block_quantize_it_in_its_las
     many = permute(torch.arange(200 * 4, dtype=torch.int32).reshape(200, 4) % case.cfg.n_routed_experts,
                    case.cfg.n_routed_experts, align=16, arrivals_per_block=3)
     assert many.arrivals.shape == (many.n_rows // 16 * 3,) and int(many.arrivals.abs().sum()) == 0
+
+
+@needs_triton
+def test_launch_order_of_the_tiles_does_not_change_a_bit() -> None:
+    """Row blocks first or column tiles first (`GemmConfig.n_fastest`, an L2 matter: design note 30): every program
+    computes the same tile either way, including the split-K slices and the narrow tiles, whose counters are indexed
+    by (row block, tile), not by launch order; so the outputs are the same bits. A program that took its row block
+    and column tile from the wrong grid axis would compute another tile (calc_diff > 0.1)."""
+    from optimized.triton import moe_gemm
+
+    case = _GemmCase(OFFICIAL)
+    for gate_up in (moe_gemm.GemmConfig(16, 128, 4, 1, 2), moe_gemm.GemmConfig(16, 32, 4, 1)):
+        outputs = [case.run(dataclasses.replace(gate_up, n_fastest=order),
+                            moe_gemm.GemmConfig(16, 64, 4, 1, 2, n_fastest=order), f"n_fastest={order}")
+                   for order in (False, True)]
+        assert all(torch.equal(x, y) for x, y in zip(*outputs)), f"{gate_up}: the launch order changed the outputs"
 
 
 def test_split_k_rule_splits_only_grids_that_leave_sms_idle() -> None:

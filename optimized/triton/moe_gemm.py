@@ -2,7 +2,9 @@
 epilogue fused into the gate/up GEMM (spec §2.5, §5.2).
 
 `grouped_gemm` runs on the expert-sorted rows of `moe_permute.permute` (or, ungrouped, on the tokens
-themselves: the shared expert). One program = one BLOCK_M x BLOCK_N output tile of one expert:
+themselves: the shared expert). One program = one BLOCK_M x BLOCK_N output tile of one expert; a row block's
+column tiles are launched one after another (`GemmConfig.n_fastest`), so that its A rows are read from DRAM once
+and the expert's weight tiles are read by its row blocks at about the same time:
 
     for each K block:  partial = dot(A tile, W tile^T)   (FP8 x FP8 -> fp32)
                        acc += partial * sa[row, kb] * sw[n // 128, k // 128]     (spec §2.5 promotion)
@@ -77,6 +79,9 @@ class GemmConfig:
     num_stages: int
     split_k: int = 1
     swap_ab: bool = False  # the weight tile on the MMA's M side (`_block_dot`)
+    # launch order: a row block's column tiles one after another (its A rows then come from L2 for all but the first;
+    # design note 30), else each column tile's row blocks
+    n_fastest: bool = True
 
 
 def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: bool = False,
@@ -293,7 +298,8 @@ def _grouped_gemm_kernel(
     A_FP8: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_BF16: tl.constexpr, ACT_BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-    W_TILED: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PARTS: tl.constexpr = 1, PDL: tl.constexpr = False,
+    W_TILED: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PARTS: tl.constexpr = 1,
+    N_FASTEST: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """out[rows, n-tile] of one expert: load tiles, block-scaled accumulate, epilogue, store.
 
@@ -302,8 +308,12 @@ def _grouped_gemm_kernel(
     program to finish adds the slices' partial sums (`_sum_slices`) and runs the epilogue.
     """
     pdl_wait(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if N_FASTEST:
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     weight = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -392,7 +402,7 @@ def _grouped_gemm_kernel(
         tl.store(slices + pid_k * stride_ps, acc_g, mask=valid[:, None])
         if SWIGLU:
             tl.store(slices + pid_k * stride_ps + N, acc_u, mask=valid[:, None])
-        if _arrive(arrivals_ptr + pid_m * tl.num_programs(1) + pid_n) < SPLIT_K - 1:
+        if _arrive(arrivals_ptr + pid_m * (N // BLOCK_N) + pid_n) < SPLIT_K - 1:
             return  # another slice of this tile is still running: its program finishes the tile
         acc_g = _sum_slices(slices, valid, stride_ps, BLOCK_M, BLOCK_N, SPLIT_K)
         if SWIGLU:
@@ -476,6 +486,8 @@ def grouped_gemm(
     if split < 1 or k_dim % (split * block_k):
         raise ValueError(f"config: split_k = {split} must divide the {k_dim // block_k} K blocks of {block_k}")
     grid = (triton.cdiv(n_rows, config.block_m), n_out // config.block_n, split)
+    if config.n_fastest:
+        grid = (grid[1], grid[0], split)
     parts = block_parts(config, act_block) if out_fp8 else 1
     if parts > 1 and split > 1:
         raise ValueError(f"config: a split K (split_k = {split}) needs tiles of whole quantization blocks "
@@ -510,7 +522,7 @@ def grouped_gemm(
         HAS_WEIGHT=topk_weights is not None, A_FP8=a_fp8, OUT_FP8=out_fp8, GATE_UP_BF16=gate_up_bf16,
         ACT_BLOCK=act_block, BLOCK_K=block_k, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, **fp8_constants(fmt), SPLIT_K=split, W_TILED=tiled, SWAP_AB=config.swap_ab,
-        PARTS=parts, num_warps=config.num_warps, num_stages=config.num_stages,
+        PARTS=parts, N_FASTEST=config.n_fastest, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch(),
     )
     return out, out_scale
@@ -609,7 +621,7 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
          "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "OUT_FP8": swiglu, "GATE_UP_BF16": True,
          "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
          "SPLIT_K": config.split_k, "W_TILED": tiled, "SWAP_AB": config.swap_ab,
-         "PARTS": block_parts(config, act_block) if swiglu else 1},
+         "PARTS": block_parts(config, act_block) if swiglu else 1, "N_FASTEST": config.n_fastest},
         fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned, targets=targets,
     )
 
