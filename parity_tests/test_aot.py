@@ -70,7 +70,8 @@ def test_tma_and_dependent_launch_are_compiled_in_exactly_where_launches_ask_for
     quantization block: an acquire-release atomic at GPU scope on sm_90 exactly where SPLIT_K > 1 or PARTS > 1 (a
     relaxed one would race only now and then). And the MoE GEMMs run Hopper's native FP8 wgmma on sm_90 exactly where
     the tile puts 64 or more rows on the MMA's M side (BLOCK_M >= 64, or the weight rows of a swap-AB tile), which is
-    what swap-AB is for (`moe_gemm._block_dot`); the 16-row decode tiles lower to mma.sync."""
+    what swap-AB is for (`moe_gemm._block_dot`); the 16-row decode tiles lower to mma.sync. Their prefill tiles on
+    tiled weights read them through TMA (`GemmConfig.tma`), and no other MoE GEMM launch does."""
     from optimized.triton import einsum, moe_gemm
     from optimized.triton.aot import all_specs
 
@@ -85,3 +86,4 @@ def test_tma_and_dependent_launch_are_compiled_in_exactly_where_launches_ask_for
         if spec.kernel is moe_gemm._grouped_gemm_kernel:
             c = spec.constexprs
             assert r["wgmma"] == (nvidia and (c["SWAP_AB"] or c["BLOCK_M"] >= 64)), r
+            assert r["tma"] == (nvidia and c["W_TMA"]), r

@@ -658,6 +658,18 @@ def test_tiled_experts_hold_the_same_blocks_and_give_the_row_layouts_outputs_bit
     n13, n2 = (omoe.TiledFp8Weight(t.data.contiguous(), t.scale) for t in (t13, t2))  # N-block-major storage
     _assert_bitwise(int((omoe.experts(x, ids, topk_weights, n13, n2, **common) != rows).sum()),
                     "tiled experts, N-block-major")
+    # TMA descriptor loads of the tiled blocks (NVIDIA's prefill tiles; the interpreter runs descriptors too), with
+    # 128-column tiles (a box stays inside one block): the same values in the same order
+    from optimized.triton import moe_pipeline
+
+    tiles = moe_pipeline.choose_config
+    try:
+        moe_pipeline.choose_config = lambda *a, **k: dataclasses.replace(tiles(*a, **k), block_n=128, tma=True)
+        for w13, w2, order in ((t13, t2, "K-block-major"), (n13, n2, "N-block-major")):
+            _assert_bitwise(int((omoe.experts(x, ids, topk_weights, w13, w2, **common) != rows).sum()),
+                            f"tiled experts through TMA, {order}")
+    finally:
+        moe_pipeline.choose_config = tiles
     layer = omoe.MoE(w, SMALL, numerics, backend="triton")
     assert layer.tiled is None, "MoE tiles on NVIDIA GPUs only (where it was measured)"
     want = layer(x)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from optimized.triton._fp8 import (
     fp8_constants,
@@ -56,6 +57,7 @@ from optimized.triton._fp8 import (
 )
 from optimized.triton._pdl import pdl_launch, pdl_wait
 from optimized.triton.aot import ALL_TARGETS, PLATFORM_TARGETS, AotSpec
+from optimized.triton.einsum import tma_loads
 from optimized.triton.moe_permute import MoeLayout
 from reference.formats import ACT_EPS, FP8Format, fp8_format
 from reference.weights import FP8_WEIGHT_BLOCK
@@ -82,10 +84,13 @@ class GemmConfig:
     # launch order: a row block's column tiles one after another (its A rows then come from L2 for all but the first;
     # design note 30), else each column tile's row blocks
     n_fastest: bool = True
+    # tiled weights through a TMA descriptor (NVIDIA sm_90+; a tile inside one 128-row block, not a stacked swap-AB
+    # tile; `grouped_gemm` falls back to pointer loads elsewhere)
+    tma: bool = False
 
 
 def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: bool = False,
-                  platform: str = "nvidia") -> GemmConfig:
+                  platform: str = "nvidia", tiled: bool = False) -> GemmConfig:
     """Tiles by the mean number of rows an active expert gets (BLOCK_M is the same for both GEMMs of a call).
 
     | rows / expert | GEMM    | BLOCK_M | BLOCK_N | warps | stages | why                                   |
@@ -93,7 +98,13 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
     | <= 16         | gate/up | 16      | 128     | 8 (4) | 4 (2)  | decode: smallest dot tile; the weight |
     |               | down    | 16      | 64      | 4     | 3      | stream is the cost; NVIDIA: swap-AB   |
     | > 16          | gate/up | 64      | 128     | 8     | 4 (2)  | compute-bound; 64 rows pad less per   |
-    |               | down    | 64      | 128     | 4 (8) | 3 (2)  | expert than 128 (E x 32 rows on avg.) |
+    |               | down    | 64      | 128     | 4 (8) | 3* (2) | expert than 128 (E x 32 rows on avg.) |
+
+    `tiled`: the weights are tiled (`optimized.moe.tile_experts`); NVIDIA's prefill tiles then read them through TMA
+    descriptors (`GemmConfig.tma`: one box per 128 x 128 block and K step instead of every thread's pointer loads),
+    and the down GEMM takes 4 stages (*). H100, same-run A/B, FLASH routed MoE, two rounds, bitwise equal
+    (`docs/h200/ab-moe-prefill-tma-h100.json`, design note 30): T = 4096 3209 / 3377 -> 3161 / 3165 us, T = 8192
+    5487 / 5579 -> 5400 / 5469 us; TMA with the down GEMM's 3 stages was not faster in both rounds.
 
     The gate/up GEMM keeps BLOCK_N = 128: its epilogue quantizes whole 128-wide blocks, and it holds two
     accumulators (gate and up), which is why its tiles stop at 64 x 128 per 8 warps; narrower tiles finish their
@@ -125,6 +136,8 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
         return GemmConfig(DECODE_BLOCK_M, 128, 8, 4) if platform == "nvidia" else GemmConfig(DECODE_BLOCK_M, 128, 4, 2)
     if platform != "nvidia":
         return GemmConfig(64, 128, 8, 2)
+    if tiled:
+        return GemmConfig(64, 128, 8, 4, tma=True) if swiglu else GemmConfig(64, 128, 4, 4, tma=True)
     return GemmConfig(64, 128, 8, 4) if swiglu else GemmConfig(64, 128, 4, 3)
 
 
@@ -299,7 +312,7 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, SPLIT_K: tl.constexpr = 1,
     W_TILED: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PARTS: tl.constexpr = 1,
-    N_FASTEST: tl.constexpr = False, PDL: tl.constexpr = False,
+    N_FASTEST: tl.constexpr = False, W_TMA: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """out[rows, n-tile] of one expert: load tiles, block-scaled accumulate, epilogue, store.
 
@@ -345,15 +358,22 @@ def _grouped_gemm_kernel(
         w_n = pid_n * BLOCK_N + offs_w % BLOCK_N + (offs_w // BLOCK_N) * N
     else:
         w_n = offs_n
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    if W_TILED:
-        # w: [E, rows / 128, K / 128, 128, 128] (`optimized.moe.tile_experts`), each 128 x 128 block contiguous; the
-        # 128-row blocks 128 * stride_wn apart, the K blocks stride_wkb apart
-        w_rows = (w_n // WEIGHT_BLOCK) * (WEIGHT_BLOCK * stride_wn) + (w_n % WEIGHT_BLOCK) * WEIGHT_BLOCK
+    if W_TMA:
+        # w_ptr: a TMA descriptor over the tiled weight [E, rows / 128, K / 128, 128, 128], block [1, 1, 1, BLOCK_N,
+        # BLOCK_K]: the tile's rows of its gate (or down) block and of its up block
+        nb_g = (pid_n * BLOCK_N) // WEIGHT_BLOCK
+        nb_u = (N + pid_n * BLOCK_N) // WEIGHT_BLOCK
+        n_in = (pid_n * BLOCK_N) % WEIGHT_BLOCK
     else:
-        w_rows = w_n * stride_wn
-    wg_ptrs = w_base + w_rows.to(tl.int64)[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N] (stacked: 2 BLOCK_N)
-    wu_ptrs = wg_ptrs + N * stride_wn  # up rows I + n (unstacked gate/up GEMM only)
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        if W_TILED:
+            # w: [E, rows / 128, K / 128, 128, 128] (`optimized.moe.tile_experts`), each 128 x 128 block contiguous;
+            # the 128-row blocks 128 * stride_wn apart, the K blocks stride_wkb apart
+            w_rows = (w_n // WEIGHT_BLOCK) * (WEIGHT_BLOCK * stride_wn) + (w_n % WEIGHT_BLOCK) * WEIGHT_BLOCK
+        else:
+            w_rows = w_n * stride_wn
+        wg_ptrs = w_base + w_rows.to(tl.int64)[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N] (stacked: 2 BLOCK_N)
+        wu_ptrs = wg_ptrs + N * stride_wn  # up rows I + n (unstacked gate/up GEMM only)
     ws_base = w_scale_ptr + expert * stride_wse
     sg_ptrs = ws_base + (w_n // WEIGHT_BLOCK) * stride_wsn
     su_ptrs = ws_base + ((N + offs_n) // WEIGHT_BLOCK) * stride_wsn
@@ -370,12 +390,17 @@ def _grouped_gemm_kernel(
     k_slice: tl.constexpr = K // SPLIT_K
     for k0 in range(pid_k * k_slice, (pid_k + 1) * k_slice, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
-        if W_TILED:
-            # block k0 // 128 starts stride_wkb bytes after the previous one; k0 % 128 within its rows
-            kw = k0 + (k0 // WEIGHT_BLOCK) * (stride_wkb - WEIGHT_BLOCK)
+        if W_TMA:
+            kb = k0 // WEIGHT_BLOCK
+            k_in = k0 - kb * WEIGHT_BLOCK
+            wg = tl.trans(w_ptr.load([expert, nb_g, kb, n_in, k_in]).reshape(BLOCK_N, BLOCK_K))
         else:
-            kw = k0
-        wg = tl.load(wg_ptrs + kw)
+            if W_TILED:
+                # block k0 // 128 starts stride_wkb bytes after the previous one; k0 % 128 within its rows
+                kw = k0 + (k0 // WEIGHT_BLOCK) * (stride_wkb - WEIGHT_BLOCK)
+            else:
+                kw = k0
+            wg = tl.load(wg_ptrs + kw)
         sg = tl.load(sg_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
         if A_FP8:
             sa = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // ACT_BLOCK) * stride_ask, mask=valid, other=0.0)
@@ -383,7 +408,10 @@ def _grouped_gemm_kernel(
             sa = sg  # not read: EXACT's bf16 A has no scale
         acc_g += _block_dot(a, wg, sa, sg, A_FP8, SWAP_AB)
         if SWIGLU and not SWAP_AB:
-            wu = tl.load(wu_ptrs + kw)
+            if W_TMA:
+                wu = tl.trans(w_ptr.load([expert, nb_u, kb, n_in, k_in]).reshape(BLOCK_N, BLOCK_K))
+            else:
+                wu = tl.load(wu_ptrs + kw)
             su = tl.load(su_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
             acc_u += _block_dot(a, wu, sa, su, A_FP8, SWAP_AB)
     if SWAP_AB and SWIGLU:
@@ -509,8 +537,12 @@ def grouped_gemm(
         partial = torch.empty((n_rows, n_out), dtype=torch.float32, device=a.device)
     else:
         partial = dummy
+    # a TMA box stays inside one 128 x 128 block of the tiled weight; the stacked swap-AB tile loads two row ranges
+    w_tma = (config.tma and tiled and config.block_n <= FP8_WEIGHT_BLOCK and not (config.swap_ab and swiglu)
+             and tma_loads(w))
+    w_arg = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, 1, 1, config.block_n, block_k]) if w_tma else w
     _grouped_gemm_kernel[grid](
-        a, a_scale if a_fp8 else dummy, w, w_scale, out, out_scale if out_fp8 else dummy,
+        a, a_scale if a_fp8 else dummy, w_arg, w_scale, out, out_scale if out_fp8 else dummy,
         layout.sorted_slot if layout is not None else dummy, layout.row_expert if layout is not None else dummy,
         topk_weights if topk_weights is not None else dummy, partial, arrivals,
         n_rows, float(limit), partial.stride(0) if split > 1 else 0,
@@ -522,7 +554,7 @@ def grouped_gemm(
         HAS_WEIGHT=topk_weights is not None, A_FP8=a_fp8, OUT_FP8=out_fp8, GATE_UP_BF16=gate_up_bf16,
         ACT_BLOCK=act_block, BLOCK_K=block_k, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, **fp8_constants(fmt), SPLIT_K=split, W_TILED=tiled, SWAP_AB=config.swap_ab,
-        PARTS=parts, N_FASTEST=config.n_fastest, num_warps=config.num_warps, num_stages=config.num_stages,
+        PARTS=parts, N_FASTEST=config.n_fastest, W_TMA=w_tma, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch(),
     )
     return out, out_scale
@@ -612,6 +644,9 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
     signature = _gemm_signature("*{fp8}")
     if not swiglu:
         signature["out_ptr"] = "*bf16"
+    w_tma = config.tma and tiled and all(t.startswith("sm_") for t in targets)
+    if w_tma:
+        signature["w_ptr"] = f"tensordesc<{{fp8}}[1, 1, 1, {config.block_n}, {act_block}]>"
     aligned = ("a_ptr", "a_scale_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "out_scale_ptr", "sorted_slot_ptr",
                "row_expert_ptr", "topk_w_ptr", "stride_am", "stride_asm", "stride_we", "stride_wn", "stride_wkb",
                "stride_wse", "stride_wsn", "stride_om", "stride_osm")
@@ -621,7 +656,7 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
          "SWIGLU": swiglu, "HAS_WEIGHT": grouped and swiglu, "A_FP8": True, "OUT_FP8": swiglu, "GATE_UP_BF16": True,
          "ACT_BLOCK": act_block, "BLOCK_K": act_block, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
          "SPLIT_K": config.split_k, "W_TILED": tiled, "SWAP_AB": config.swap_ab,
-         "PARTS": block_parts(config, act_block) if swiglu else 1, "N_FASTEST": config.n_fastest},
+         "PARTS": block_parts(config, act_block) if swiglu else 1, "N_FASTEST": config.n_fastest, "W_TMA": w_tma},
         fp8=True, num_warps=config.num_warps, num_stages=config.num_stages, aligned=aligned, targets=targets,
     )
 
@@ -629,7 +664,8 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
 def _per_platform(name: str, label: str, rows_per_expert: int, k: int, n: int, swiglu: bool, grouped: bool,
                   act_block: int = 128, tiled: bool = False) -> list[AotSpec]:
     """The launch at `rows_per_expert` with each platform's tiles, on that platform's targets."""
-    return [_aot_gemm(f"{name}[{label},{platform}]", choose_config(rows_per_expert, n, swiglu, platform=platform), k,
+    return [_aot_gemm(f"{name}[{label},{platform}]",
+                      choose_config(rows_per_expert, n, swiglu, platform=platform, tiled=tiled), k,
                       n, swiglu, grouped, act_block, targets, tiled)
             for platform, targets in PLATFORM_TARGETS.items()]
 

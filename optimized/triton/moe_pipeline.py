@@ -71,11 +71,12 @@ def activation(x: torch.Tensor, numerics: Numerics, scale_layout: str = "row_maj
 Shape = tuple[int, ...]
 
 
-def _tiles(rows_per_expert: float, w13: Shape, w2: Shape) -> tuple[GemmConfig, GemmConfig]:
-    """The gate/up and down GEMMs' tiles (`choose_config`) for weights of logical shapes [.., 2I, D] and [.., D, I]."""
+def _tiles(rows_per_expert: float, w13: Shape, w2: Shape, tiled: bool = False) -> tuple[GemmConfig, GemmConfig]:
+    """The gate/up and down GEMMs' tiles (`choose_config`) for weights of logical shapes [.., 2I, D] and [.., D, I],
+    tiled (`optimized.moe.tile_experts`) or not."""
     interpret, platform = detect().interpret, tile_platform()
-    return (choose_config(rows_per_expert, w13[-2] // 2, swiglu=True, interpret=interpret, platform=platform),
-            choose_config(rows_per_expert, w2[-2], swiglu=False, interpret=interpret, platform=platform))
+    return (choose_config(rows_per_expert, w13[-2] // 2, True, interpret=interpret, platform=platform, tiled=tiled),
+            choose_config(rows_per_expert, w2[-2], False, interpret=interpret, platform=platform, tiled=tiled))
 
 
 def _split_k(gate_up: GemmConfig, down: GemmConfig, n_rows: int, w13: Shape, w2: Shape,
@@ -104,7 +105,7 @@ def routed_rows(
     n_experts = w13.data.shape[0]
     n_slots = n_tokens * topk
     rows_per_expert = n_slots / max(min(n_experts, n_slots), 1)
-    gate_up, down = _tiles(rows_per_expert, w13.shape, w2.shape)
+    gate_up, down = _tiles(rows_per_expert, w13.shape, w2.shape, tiled=w13.data.dim() == 5)
     n_out = w13.shape[-2] // 2
     if numerics.act_quant:
         gate_up = narrow_gate_up_for(gate_up, compact_rows(n_slots, n_experts, gate_up.block_m), n_out,
