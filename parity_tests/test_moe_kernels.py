@@ -500,6 +500,11 @@ def test_launch_order_of_the_tiles_does_not_change_a_bit() -> None:
                             moe_gemm.GemmConfig(16, 64, 4, 1, 2, n_fastest=order), f"n_fastest={order}")
                    for order in (False, True)]
         assert all(torch.equal(x, y) for x, y in zip(*outputs)), f"{gate_up}: the launch order changed the outputs"
+    # the row blocks go on the grid's second axis only while they fit it (65535)
+    tile = moe_gemm.GemmConfig(64, 128, 8, 4)
+    assert moe_gemm.launch_grid(tile, 64 * 65535, 2048) == ((16, 65535, 1), True)
+    assert moe_gemm.launch_grid(tile, 64 * 65536, 2048) == ((65536, 16, 1), False)
+    assert moe_gemm.launch_grid(dataclasses.replace(tile, n_fastest=False), 64, 2048) == ((1, 16, 1), False)
 
 
 def test_split_k_rule_splits_only_grids_that_leave_sms_idle() -> None:

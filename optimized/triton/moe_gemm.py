@@ -464,6 +464,19 @@ def _grouped_gemm_kernel(
         tl.store(out_ptrs, acc_g.to(tl.bfloat16), mask=valid[:, None])
 
 
+# CUDA's limit on a grid's second dimension (HIP's is about the same), where `n_fastest` puts the row blocks.
+MAX_GRID_Y = 65535
+
+
+def launch_grid(config: GemmConfig, n_rows: int, n_out: int) -> tuple[tuple[int, int, int], bool]:
+    """The grid of a `grouped_gemm` launch, and whether its first axis is the column tiles (`GemmConfig.n_fastest`;
+    not where the row blocks would overflow the grid's second axis, which then keeps the row blocks first)."""
+    row_blocks, col_tiles = triton.cdiv(n_rows, config.block_m), n_out // config.block_n
+    if config.n_fastest and row_blocks <= MAX_GRID_Y:
+        return (col_tiles, row_blocks, config.split_k), True
+    return (row_blocks, col_tiles, config.split_k), False
+
+
 def grouped_gemm(
     a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor, *,
     layout: MoeLayout | None, config: GemmConfig, swiglu: bool, numerics_fmt: str | FP8Format,
@@ -513,9 +526,7 @@ def grouped_gemm(
     split = config.split_k
     if split < 1 or k_dim % (split * block_k):
         raise ValueError(f"config: split_k = {split} must divide the {k_dim // block_k} K blocks of {block_k}")
-    grid = (triton.cdiv(n_rows, config.block_m), n_out // config.block_n, split)
-    if config.n_fastest:
-        grid = (grid[1], grid[0], split)
+    grid, n_fastest = launch_grid(config, n_rows, n_out)
     parts = block_parts(config, act_block) if out_fp8 else 1
     if parts > 1 and split > 1:
         raise ValueError(f"config: a split K (split_k = {split}) needs tiles of whole quantization blocks "
@@ -554,7 +565,7 @@ def grouped_gemm(
         HAS_WEIGHT=topk_weights is not None, A_FP8=a_fp8, OUT_FP8=out_fp8, GATE_UP_BF16=gate_up_bf16,
         ACT_BLOCK=act_block, BLOCK_K=block_k, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, **fp8_constants(fmt), SPLIT_K=split, W_TILED=tiled, SWAP_AB=config.swap_ab,
-        PARTS=parts, N_FASTEST=config.n_fastest, W_TMA=w_tma, num_warps=config.num_warps, num_stages=config.num_stages,
+        PARTS=parts, N_FASTEST=n_fastest, W_TMA=w_tma, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch(),
     )
     return out, out_scale
