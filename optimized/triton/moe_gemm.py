@@ -464,6 +464,13 @@ def _grouped_gemm_kernel(
         tl.store(out_ptrs, acc_g.to(tl.bfloat16), mask=valid[:, None])
 
 
+def weight_tma(config: GemmConfig, tiled: bool, swiglu: bool) -> bool:
+    """Whether a launch of `config` reads its weights through a TMA descriptor where the device has TMA
+    (`GemmConfig.tma`): tiled weights only, and a box stays inside one 128 x 128 block (BLOCK_N <= 128; the stacked
+    swap-AB gate/up tile loads two row ranges)."""
+    return config.tma and tiled and config.block_n <= FP8_WEIGHT_BLOCK and not (config.swap_ab and swiglu)
+
+
 # CUDA's limit on a grid's second dimension (HIP's is about the same), where `n_fastest` puts the row blocks.
 MAX_GRID_Y = 65535
 
@@ -548,9 +555,7 @@ def grouped_gemm(
         partial = torch.empty((n_rows, n_out), dtype=torch.float32, device=a.device)
     else:
         partial = dummy
-    # a TMA box stays inside one 128 x 128 block of the tiled weight; the stacked swap-AB tile loads two row ranges
-    w_tma = (config.tma and tiled and config.block_n <= FP8_WEIGHT_BLOCK and not (config.swap_ab and swiglu)
-             and tma_loads(w))
+    w_tma = weight_tma(config, tiled, swiglu) and tma_loads(w)
     w_arg = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, 1, 1, config.block_n, block_k]) if w_tma else w
     _grouped_gemm_kernel[grid](
         a, a_scale if a_fp8 else dummy, w_arg, w_scale, out, out_scale if out_fp8 else dummy,
@@ -655,7 +660,7 @@ def _aot_gemm(name: str, config: GemmConfig, k: int, n: int, swiglu: bool, group
     signature = _gemm_signature("*{fp8}")
     if not swiglu:
         signature["out_ptr"] = "*bf16"
-    w_tma = config.tma and tiled and all(t.startswith("sm_") for t in targets)
+    w_tma = weight_tma(config, tiled, swiglu) and all(t.startswith("sm_") for t in targets)
     if w_tma:
         signature["w_ptr"] = f"tensordesc<{{fp8}}[1, 1, 1, {config.block_n}, {act_block}]>"
     aligned = ("a_ptr", "a_scale_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "out_scale_ptr", "sorted_slot_ptr",
