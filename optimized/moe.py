@@ -128,8 +128,9 @@ def tile_experts(weight: Fp8Weight | Fp4Weight, fmt: str | FP8Format) -> TiledFp
     column tiles of an expert read neighbouring blocks (design notes 26 and 28: routed MoE T = 1 1.0-1.9 % faster
     than the N-block-major order on an H100, T = 64 0.2-0.8 % slower).
 
-    MXFP4 weights are re-encoded to FP8 in `fmt` first (losslessly, spec §2.6; not cached); FP8 weights must be in
-    `fmt` already. N and K must be multiples of 128.
+    MXFP4 weights are re-encoded to FP8 in `fmt` first (losslessly, spec §2.6), through `fp8_expert_weight`'s cache
+    (the copy `MoE` makes anyway: at PRO a second one would not fit an 80 GB GPU beside it and the tiles); FP8 weights
+    must be in `fmt` already. N and K must be multiples of 128.
     """
     if not isinstance(weight, (Fp8Weight, Fp4Weight)):
         raise TypeError(f"weight: expected Fp8Weight or Fp4Weight, got {type(weight).__name__}")
@@ -137,7 +138,7 @@ def tile_experts(weight: Fp8Weight | Fp4Weight, fmt: str | FP8Format) -> TiledFp
         raise ValueError(f"weight: expected stacked [E, N, K] experts with N, K multiples of {FP8_WEIGHT_BLOCK}, "
                          f"got logical shape {tuple(weight.shape)}")
     name = fp8_format(fmt).name
-    fp8 = weight.to_fp8(name) if isinstance(weight, Fp4Weight) else weight
+    fp8 = fp8_expert_weight(weight, name)
     if fp8.data.dtype != fp8_format(name).dtype:
         raise ValueError(f"weight: FP8 data in {fp8.data.dtype}, expected {name!r} (fmt)")
     e, n, k = fp8.data.shape

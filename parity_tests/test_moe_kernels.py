@@ -688,6 +688,9 @@ def test_fp4_experts_are_reencoded_once_per_weight_and_released_with_it() -> Non
     assert omoe.fp8_expert_weight(w.w13, "e4m3fn") is first, "a second call must hit the cache"
     assert omoe.fp8_expert_weight(w.w13, "e4m3fnuz") is not first, "the cache is per FP8 format"
     assert torch.equal(first.dequantize(), w.w13.dequantize()), "the re-encode is lossless"
+    tiled = omoe.tile_experts(w.w13, "e4m3fn")
+    assert tiled.scale.data_ptr() == first.scale.data_ptr(), "tiling must reuse the cached re-encode, not make another"
+    del tiled
     key = (id(w.w13), "e4m3fn")
     del w, first
     gc.collect()

@@ -108,10 +108,15 @@ class Fp4Weight:
 
     def to_fp8(self, fmt: str | FP8Format = E4M3FN) -> Fp8Weight:
         """Lossless re-encode to 128x128 block FP8 (raises where it would not be lossless)."""
-        if self.packed.dim() != 2:
-            q, s = zip(*(mxfp4_to_fp8(p, sc, fmt) for p, sc in zip(self.packed, self.scale)))
-            return Fp8Weight(torch.stack(q), torch.stack(s))
-        return Fp8Weight(*mxfp4_to_fp8(self.packed, self.scale, fmt))
+        if self.packed.dim() == 2:
+            return Fp8Weight(*mxfp4_to_fp8(self.packed, self.scale, fmt))
+        # stacked experts one at a time, into the result (no second copy of all of them: PRO's w13 is 16 GB in FP8)
+        q0, s0 = mxfp4_to_fp8(self.packed[0], self.scale[0], fmt)
+        q = q0.new_empty((len(self.packed), *q0.shape))
+        s = s0.new_empty((len(self.packed), *s0.shape))
+        for e, (packed, scale) in enumerate(zip(self.packed, self.scale)):
+            q[e], s[e] = mxfp4_to_fp8(packed, scale, fmt)
+        return Fp8Weight(q, s)
 
     def to(self, device: torch.device | str) -> Fp4Weight:
         return Fp4Weight(self.packed.to(device), self.scale.to(device))

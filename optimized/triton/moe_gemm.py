@@ -93,16 +93,22 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
                   platform: str = "nvidia", tiled: bool = False) -> GemmConfig:
     """Tiles by the mean number of rows an active expert gets (BLOCK_M is the same for both GEMMs of a call).
 
-    | rows / expert | GEMM    | BLOCK_M | BLOCK_N | warps | stages | why                                   |
-    |---------------|---------|---------|---------|-------|--------|---------------------------------------|
-    | <= 16         | gate/up | 16      | 128     | 8 (4) | 4 (2)  | decode: smallest dot tile; the weight |
-    |               | down    | 16      | 64      | 4     | 3      | stream is the cost; NVIDIA: swap-AB   |
-    | > 16          | gate/up | 64      | 128     | 8     | 4 (2)  | compute-bound; 64 rows pad less per   |
-    |               | down    | 64      | 128     | 4 (8) | 3* (2) | expert than 128 (E x 32 rows on avg.) |
+    | rows / expert | GEMM    | BLOCK_M | BLOCK_N | warps     | stages    | why                                   |
+    |---------------|---------|---------|---------|-----------|-----------|---------------------------------------|
+    | <= 16         | gate/up | 16      | 128     | 8 (4)     | 4 (2)     | decode: smallest dot tile; the weight |
+    |               | down    | 16      | 64      | 4         | 3         | stream is the cost; NVIDIA: swap-AB   |
+    | > 16          | gate/up | 64      | 128     | 8, 4* (8) | 4, 2* (2) | compute-bound; 64 rows pad less per   |
+    |               | down    | 64      | 128     | 4 (8)     | 3, 4* (2) | expert than 128 (E x 32 rows on avg.) |
+
+    (bracketed: AMD; *: tiled weights on NVIDIA.)
 
     `tiled`: the weights are tiled (`optimized.moe.tile_experts`); NVIDIA's prefill tiles then read them through TMA
     descriptors (`GemmConfig.tma`: one box per 128 x 128 block and K step instead of every thread's pointer loads),
-    and the down GEMM takes 4 stages (*). H100, same-run A/B, FLASH routed MoE, two rounds, bitwise equal
+    the down GEMM takes 4 stages, and the gate/up GEMM 4 warps in 2 stages (*: 82 KB of shared memory and 238
+    registers a thread, so two programs share an SM and one's promotion overlaps the other's wgmma; H100, same-run
+    A/B, six rounds, bitwise equal, `docs/h200/ab-moe-gate-up-warps-h100.json`,
+    `ab-moe-gate-up-down-stages-h100.json`, design note 31: T = 4096 2.3-4.0 % faster in every round, T = 8192 faster
+    in 4 of 6). H100, same-run A/B, FLASH routed MoE, two rounds, bitwise equal
     (`docs/h200/ab-moe-prefill-tma-h100.json`, design note 30): T = 4096 3209 / 3377 -> 3161 / 3165 us, T = 8192
     5487 / 5579 -> 5400 / 5469 us; TMA with the down GEMM's 3 stages was not faster in both rounds.
 
@@ -137,7 +143,7 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
     if platform != "nvidia":
         return GemmConfig(64, 128, 8, 2)
     if tiled:
-        return GemmConfig(64, 128, 8, 4, tma=True) if swiglu else GemmConfig(64, 128, 4, 4, tma=True)
+        return GemmConfig(64, 128, 4, 2, tma=True) if swiglu else GemmConfig(64, 128, 4, 4, tma=True)
     return GemmConfig(64, 128, 8, 4) if swiglu else GemmConfig(64, 128, 4, 3)
 
 
@@ -275,23 +281,34 @@ def _sum_slices(ptrs, valid, slice_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _block_dot(a, w, sa, sw, A_FP8: tl.constexpr, SWAP_AB: tl.constexpr):
+def _block_dot(a, w, sa, sw, A_FP8: tl.constexpr, SWAP_AB: tl.constexpr, SCALAR_SW: tl.constexpr):
     """One K block's partial sum, promoted (spec §2.5): `dot(a, w) * sa[row] * sw[col]` in fp32.
 
     a: [M, BLOCK_K] FP8 (scales sa [M]) or bf16 (EXACT: no activation scale; w's FP8 values are exact in bf16);
-    w: [BLOCK_K, N] FP8, sw [N]. SWAP_AB returns the same products transposed, [N, M], from `dot(w^T, a^T)`: the
-    weight rows on the MMA's M side, so that a 16-row decode tile runs Hopper's native FP8 wgmma (M >= 64) instead
-    of Triton's mma.sync path, which converts every FP8 operand to f16 on sm_90 (`choose_config`, design note 25).
+    w: [BLOCK_K, N] FP8, sw [N], or one scalar where the tile's columns lie in one 128-row weight block
+    (`SCALAR_SW`): the two scales are then multiplied per row first and the promotion is one fused multiply-add
+    per element, the same bits (both scales are powers of two, so `(dot * sa) * sw == dot * (sa * sw)`).
+    SWAP_AB returns the same products transposed, [N, M], from `dot(w^T, a^T)`: the weight rows on the MMA's M
+    side, so that a 16-row decode tile runs Hopper's native FP8 wgmma (M >= 64) instead of Triton's mma.sync path,
+    which converts every FP8 operand to f16 on sm_90 (`choose_config`, design note 25).
     """
     if not A_FP8:
         w = w.to(tl.bfloat16)
     if SWAP_AB:
         part = tl.dot(tl.trans(w), tl.trans(a))
+    else:
+        part = tl.dot(a, w)
+    if SCALAR_SW and not A_FP8:
+        part = part * sw
+    elif SCALAR_SW and SWAP_AB:
+        part = part * (sa * sw)[None, :]
+    elif SCALAR_SW:
+        part = part * (sa * sw)[:, None]
+    elif SWAP_AB:
         if A_FP8:
             part = part * sa[None, :]
         part = part * sw[:, None]
     else:
-        part = tl.dot(a, w)
         if A_FP8:
             part = part * sa[:, None]
         part = part * sw[None, :]
@@ -352,8 +369,10 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    if SWAP_AB and SWIGLU:
-        # one stacked weight tile, one dot per K block: the tile's gate rows n over its up rows I + n
+    # swap-AB gate/up: one stacked weight tile, one dot per K block
+    STACKED: tl.constexpr = SWIGLU and SWAP_AB
+    if STACKED:
+        # the tile's gate rows n over its up rows I + n
         offs_w = tl.arange(0, 2 * BLOCK_N)
         w_n = pid_n * BLOCK_N + offs_w % BLOCK_N + (offs_w // BLOCK_N) * N
     else:
@@ -375,10 +394,16 @@ def _grouped_gemm_kernel(
         wg_ptrs = w_base + w_rows.to(tl.int64)[None, :] + offs_k[:, None]  # [BLOCK_K, BLOCK_N] (stacked: 2 BLOCK_N)
         wu_ptrs = wg_ptrs + N * stride_wn  # up rows I + n (unstacked gate/up GEMM only)
     ws_base = w_scale_ptr + expert * stride_wse
-    sg_ptrs = ws_base + (w_n // WEIGHT_BLOCK) * stride_wsn
-    su_ptrs = ws_base + ((N + offs_n) // WEIGHT_BLOCK) * stride_wsn
+    # a tile inside one 128-row weight block has one weight scale per K block (`_block_dot`'s SCALAR_SW)
+    SCALAR_SW: tl.constexpr = BLOCK_N <= WEIGHT_BLOCK and not STACKED
+    if SCALAR_SW:
+        sg_ptrs = ws_base + ((pid_n * BLOCK_N) // WEIGHT_BLOCK) * stride_wsn
+        su_ptrs = ws_base + ((N + pid_n * BLOCK_N) // WEIGHT_BLOCK) * stride_wsn
+    else:
+        sg_ptrs = ws_base + (w_n // WEIGHT_BLOCK) * stride_wsn
+        su_ptrs = ws_base + ((N + offs_n) // WEIGHT_BLOCK) * stride_wsn
 
-    if SWAP_AB and SWIGLU:  # gate over up, transposed until the loop ends
+    if STACKED:  # gate over up, transposed until the loop ends
         acc_g = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_u = acc_g
     elif SWAP_AB:  # the accumulator is held transposed until the loop ends
@@ -406,15 +431,15 @@ def _grouped_gemm_kernel(
             sa = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // ACT_BLOCK) * stride_ask, mask=valid, other=0.0)
         else:
             sa = sg  # not read: EXACT's bf16 A has no scale
-        acc_g += _block_dot(a, wg, sa, sg, A_FP8, SWAP_AB)
-        if SWIGLU and not SWAP_AB:
+        acc_g += _block_dot(a, wg, sa, sg, A_FP8, SWAP_AB, SCALAR_SW)
+        if SWIGLU and not STACKED:
             if W_TMA:
                 wu = tl.trans(w_ptr.load([expert, nb_u, kb, n_in, k_in]).reshape(BLOCK_N, BLOCK_K))
             else:
                 wu = tl.load(wu_ptrs + kw)
             su = tl.load(su_ptrs + (k0 // WEIGHT_BLOCK) * stride_wsk)
-            acc_u += _block_dot(a, wu, sa, su, A_FP8, SWAP_AB)
-    if SWAP_AB and SWIGLU:
+            acc_u += _block_dot(a, wu, sa, su, A_FP8, SWAP_AB, SCALAR_SW)
+    if STACKED:
         # [2 BLOCK_N, BLOCK_M] -> [BLOCK_M, BLOCK_N, 2] -> gate [BLOCK_M, BLOCK_N], up [BLOCK_M, BLOCK_N]
         stacked = tl.reshape(tl.trans(acc_g), [BLOCK_M, 2, BLOCK_N])
         acc_g, acc_u = tl.split(tl.permute(stacked, (0, 2, 1)))
