@@ -157,3 +157,18 @@ def test_mxfp4_to_fp8_raises_where_it_cannot_be_lossless() -> None:
     s[0, 0] = 2.0**-20  # 0.5 * 2^-20 relative to a tile max of 1: below E4M3's subnormal step
     with pytest.raises(ValueError, match="not be lossless"):
         mxfp4_to_fp8(pack_fp4(codes), s)
+
+
+def test_stacked_mxfp4_experts_reencode_one_by_one_and_refuse_an_empty_stack() -> None:
+    """`Fp4Weight.to_fp8` on [E, N, K] experts fills one result expert by expert: each expert's slice is that expert's
+    own re-encode; a stack of no experts is refused by name."""
+    from reference.weights import Fp4Weight
+
+    g = generator(5)
+    codes, s = quantize_fp4(torch.randn(3, 128, 256, generator=g))
+    stacked = Fp4Weight(pack_fp4(codes), s).to_fp8("e4m3fn")
+    for e in range(3):
+        q, s8 = mxfp4_to_fp8(pack_fp4(codes[e]), s[e], "e4m3fn")
+        assert torch.equal(stacked.data[e], q) and torch.equal(stacked.scale[e], s8), f"expert {e}"
+    with pytest.raises(ValueError, match="packed: no experts"):
+        Fp4Weight(pack_fp4(codes[:0]), s[:0]).to_fp8("e4m3fn")

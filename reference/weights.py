@@ -110,12 +110,15 @@ class Fp4Weight:
         """Lossless re-encode to 128x128 block FP8 (raises where it would not be lossless)."""
         if self.packed.dim() == 2:
             return Fp8Weight(*mxfp4_to_fp8(self.packed, self.scale, fmt))
+        if len(self.packed) == 0:
+            raise ValueError(f"packed: no experts to re-encode (shape {tuple(self.packed.shape)})")
         # stacked experts one at a time, into the result (no second copy of all of them: PRO's w13 is 16 GB in FP8)
         q0, s0 = mxfp4_to_fp8(self.packed[0], self.scale[0], fmt)
         q = q0.new_empty((len(self.packed), *q0.shape))
         s = s0.new_empty((len(self.packed), *s0.shape))
-        for e, (packed, scale) in enumerate(zip(self.packed, self.scale)):
-            q[e], s[e] = mxfp4_to_fp8(packed, scale, fmt)
+        q[0], s[0] = q0, s0
+        for e in range(1, len(self.packed)):
+            q[e], s[e] = mxfp4_to_fp8(self.packed[e], self.scale[e], fmt)
         return Fp8Weight(q, s)
 
     def to(self, device: torch.device | str) -> Fp4Weight:
