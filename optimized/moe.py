@@ -100,9 +100,10 @@ for _op in ("experts", "moe"):
 _FP8_CACHE: dict[tuple[int, str], tuple[weakref.ref[Fp4Weight], Fp8Weight]] = {}
 
 
-def fp8_expert_weight(weight: ExpertWeight, fmt: str | FP8Format) -> Fp8Weight | TiledFp8Weight:
+def fp8_expert_weight(weight: ExpertWeight, fmt: str | FP8Format, cache: bool = True) -> Fp8Weight | TiledFp8Weight:
     """`weight` as 128x128 block FP8 in `fmt`: FP8 weights (rows or tiled) as they are; MXFP4 ones re-encoded
-    losslessly (spec §2.6), once per weight object and format (cached while the FP4 weight is alive)."""
+    losslessly (spec §2.6), once per weight object and format (cached while the FP4 weight is alive; `cache=False`
+    uses a cached copy but does not keep a new one)."""
     if isinstance(weight, (Fp8Weight, TiledFp8Weight)):
         return weight
     name = fp8_format(fmt).name
@@ -111,7 +112,8 @@ def fp8_expert_weight(weight: ExpertWeight, fmt: str | FP8Format) -> Fp8Weight |
     if hit is not None and hit[0]() is weight:
         return hit[1]
     encoded = weight.to_fp8(name)
-    _FP8_CACHE[key] = (weakref.ref(weight, lambda _, key=key: _FP8_CACHE.pop(key, None)), encoded)
+    if cache:
+        _FP8_CACHE[key] = (weakref.ref(weight, lambda _, key=key: _FP8_CACHE.pop(key, None)), encoded)
     return encoded
 
 
@@ -128,9 +130,10 @@ def tile_experts(weight: Fp8Weight | Fp4Weight, fmt: str | FP8Format) -> TiledFp
     column tiles of an expert read neighbouring blocks (design notes 26 and 28: routed MoE T = 1 1.0-1.9 % faster
     than the N-block-major order on an H100, T = 64 0.2-0.8 % slower).
 
-    MXFP4 weights are re-encoded to FP8 in `fmt` first (losslessly, spec §2.6), through `fp8_expert_weight`'s cache
-    (the copy `MoE` makes anyway: at PRO a second one would not fit an 80 GB GPU beside it and the tiles); FP8 weights
-    must be in `fmt` already. N and K must be multiples of 128.
+    MXFP4 weights are re-encoded to FP8 in `fmt` first (losslessly, spec §2.6): `fp8_expert_weight`'s cached copy
+    where there is one (`MoE` makes it anyway; at PRO a second one would not fit an 80 GB GPU beside it and the
+    tiles), else a re-encode freed after tiling; FP8 weights must be in `fmt` already. N and K must be multiples of
+    128.
     """
     if not isinstance(weight, (Fp8Weight, Fp4Weight)):
         raise TypeError(f"weight: expected Fp8Weight or Fp4Weight, got {type(weight).__name__}")
@@ -138,7 +141,7 @@ def tile_experts(weight: Fp8Weight | Fp4Weight, fmt: str | FP8Format) -> TiledFp
         raise ValueError(f"weight: expected stacked [E, N, K] experts with N, K multiples of {FP8_WEIGHT_BLOCK}, "
                          f"got logical shape {tuple(weight.shape)}")
     name = fp8_format(fmt).name
-    fp8 = fp8_expert_weight(weight, name)
+    fp8 = fp8_expert_weight(weight, name, cache=False)
     if fp8.data.dtype != fp8_format(name).dtype:
         raise ValueError(f"weight: FP8 data in {fp8.data.dtype}, expected {name!r} (fmt)")
     e, n, k = fp8.data.shape

@@ -691,6 +691,8 @@ def test_fp4_experts_are_reencoded_once_per_weight_and_released_with_it() -> Non
     tiled = omoe.tile_experts(w.w13, "e4m3fn")
     assert tiled.scale.data_ptr() == first.scale.data_ptr(), "tiling must reuse the cached re-encode, not make another"
     del tiled
+    omoe.tile_experts(w.w2, "e4m3fn")
+    assert (id(w.w2), "e4m3fn") not in omoe._FP8_CACHE, "tiling an uncached weight must not keep its re-encode"
     key = (id(w.w13), "e4m3fn")
     del w, first
     gc.collect()

@@ -104,13 +104,13 @@ def choose_config(rows_per_expert: float, n_out: int, swiglu: bool, interpret: b
 
     `tiled`: the weights are tiled (`optimized.moe.tile_experts`); NVIDIA's prefill tiles then read them through TMA
     descriptors (`GemmConfig.tma`: one box per 128 x 128 block and K step instead of every thread's pointer loads),
-    the down GEMM takes 4 stages, and the gate/up GEMM 4 warps in 2 stages (*: 82 KB of shared memory and 238
-    registers a thread, so two programs share an SM and one's promotion overlaps the other's wgmma; H100, same-run
-    A/B, six rounds, bitwise equal, `docs/h200/ab-moe-gate-up-warps-h100.json`,
-    `ab-moe-gate-up-down-stages-h100.json`, design note 31: T = 4096 2.3-4.0 % faster in every round, T = 8192 faster
-    in 4 of 6). H100, same-run A/B, FLASH routed MoE, two rounds, bitwise equal
-    (`docs/h200/ab-moe-prefill-tma-h100.json`, design note 30): T = 4096 3209 / 3377 -> 3161 / 3165 us, T = 8192
-    5487 / 5579 -> 5400 / 5469 us; TMA with the down GEMM's 3 stages was not faster in both rounds.
+    the down GEMM takes 4 stages and the gate/up GEMM 4 warps in 2 stages (*). Every figure here is an H100 same-run
+    A/B of the FLASH routed MoE, bitwise equal. TMA with the down GEMM in 4 stages (design note 30,
+    `docs/h200/ab-moe-prefill-tma-h100.json`, two rounds): T = 4096 3209 / 3377 -> 3161 / 3165 us, T = 8192 5487 /
+    5579 -> 5400 / 5469 us; in 3 stages it was not faster in both rounds. Gate/up in 4 warps and 2 stages (design
+    note 31, `ab-moe-gate-up-warps-h100.json`, `ab-moe-gate-up-down-stages-h100.json`, six rounds): 82 KB of shared
+    memory and 238 registers a thread, so two programs share an SM and one's promotion overlaps the other's wgmma;
+    T = 4096 2.3-4.0 % faster in every round, T = 8192 faster in 4 of 6.
 
     The gate/up GEMM keeps BLOCK_N = 128: its epilogue quantizes whole 128-wide blocks, and it holds two
     accumulators (gate and up), which is why its tiles stop at 64 x 128 per 8 warps; narrower tiles finish their
