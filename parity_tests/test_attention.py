@@ -169,20 +169,26 @@ SM90 = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.ge
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (the Gluon kernel of sparse_attention_sm90)")
-@pytest.mark.parametrize(("heads", "slots"), [(64, 100), (128, 640), (64, 1), (64, 0)])
-def test_sm90_kernel_matches_the_portable_kernel_and_the_reference(heads: int, slots: int) -> None:
-    """The Gluon kernel on the cases the portable kernel's tests cover: -1 slots, a token without any slot (0), a
-    NaN query (its head only), K not a multiple of 64, one and two 64-head blocks, no valid slot at all, no slot
-    column at all (K = 0: every output 0)."""
+@pytest.mark.parametrize(("heads", "slots", "splits"),
+                         [(64, 100, 1), (128, 640, 1), (64, 1, 1), (64, 0, 1), (64, 640, 3), (128, 300, 2)])
+def test_sm90_kernel_matches_the_portable_kernel_and_the_reference(heads: int, slots: int, splits: int) -> None:
+    """The Gluon kernel, over bf16 rows and over the packed cache, with and without split-KV, on the cases the
+    portable kernel's tests cover: -1 slots, a token without any slot (2), a NaN query (its head only), K not a
+    multiple of 64, one and two 64-head blocks, no valid slot at all, no slot column at all (K = 0: every output
+    0). Packed rows decode to the bf16 rows' tile, so both give the same bits."""
     from optimized.triton import sparse_attention as tsa
-    from optimized.triton import sparse_attention_sm90 as sm90
 
     q, kv, indices, sink = _attention_inputs("e4m3fn", tokens=6, heads=heads, rows=700, slots=slots)
     indices[2] = -1
     q[4, 3, 10] = float("nan")
     expected = ref.sparse_attention(q, kv, indices, sink, 512**-0.5)
-    out = sm90.sparse_attention_sm90(q, kv, indices, sink, 512**-0.5, torch.empty_like(q))
-    portable = tsa.sparse_attention(q, kv, indices, sink, 512**-0.5, config=tsa.WIDE["nvidia"][False])
+    wide, wide_packed = tsa.WIDE["nvidia"][False], tsa.WIDE["nvidia"][True]
+    out = tsa.sparse_attention(q, kv, indices, sink, 512**-0.5, splits=splits, config=wide, sm90_kernel=True)
+    from_packed = tsa.sparse_attention_packed(q, pack_kv(kv), indices, sink, 512**-0.5, splits=splits,
+                                              config=wide_packed, fp8_dtype=fp8_format("e4m3fn").dtype,
+                                              sm90_kernel=True)
+    portable = tsa.sparse_attention(q, kv, indices, sink, 512**-0.5, splits=splits, config=wide, sm90_kernel=False)
+    assert torch.equal(from_packed.view(torch.int16), out.view(torch.int16))  # bits: NaN heads compare equal
     assert torch.equal(out.isnan(), expected.isnan())
     assert bool((out[2] == 0).all()) and (slots > 0 or bool((out == 0).all()))
     finite = expected.isfinite()
@@ -192,15 +198,27 @@ def test_sm90_kernel_matches_the_portable_kernel_and_the_reference(heads: int, s
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (the Gluon kernel of sparse_attention_sm90)")
-def test_prefill_launches_of_bf16_rows_run_the_sm90_kernel() -> None:
-    """Enough tokens for 64-head programs without split-KV (`plan`): the op's launch is the Gluon kernel's."""
+def test_launches_of_64_head_programs_run_the_sm90_kernel() -> None:
+    """Enough tokens for 64-head programs (`plan`): prefill over bf16 rows and decode over the packed cache with
+    the planned split-KV run the Gluon kernel; an explicit `config` runs the portable kernel's tiles; asking for
+    the Gluon kernel where it cannot run names the argument."""
     from optimized.triton import sparse_attention as tsa
-    from optimized.triton import sparse_attention_sm90 as sm90
 
     q, kv, indices, sink = _attention_inputs("e4m3fn", tokens=160, heads=64, rows=700, slots=100)
     assert tsa.plan(160, 64, 100, packed=False) == (tsa.WIDE["nvidia"][False], 1)
-    direct = sm90.sparse_attention_sm90(q, kv, indices, sink, 512**-0.5, torch.empty_like(q))
+    direct = tsa.sparse_attention(q, kv, indices, sink, 512**-0.5, sm90_kernel=True)
     assert torch.equal(tsa.sparse_attention(q, kv, indices, sink, 512**-0.5), direct)
+    q, kv, indices, sink = _attention_inputs("e4m3fn", tokens=64, heads=64, rows=2000, slots=640)
+    packed, dtype = pack_kv(kv), fp8_format("e4m3fn").dtype
+    assert tsa.plan(64, 64, 640, packed=True)[1] > 1  # split-KV on an H100 / H200 (132 SMs)
+    direct = tsa.sparse_attention_packed(q, packed, indices, sink, 512**-0.5, fp8_dtype=dtype, sm90_kernel=True)
+    assert torch.equal(tsa.sparse_attention_packed(q, packed, indices, sink, 512**-0.5, fp8_dtype=dtype), direct)
+    portable = tsa.sparse_attention_packed(q, packed, indices, sink, 512**-0.5, fp8_dtype=dtype,
+                                           config=tsa.WIDE["nvidia"][True])
+    assert torch.equal(portable, tsa.sparse_attention_packed(q, packed, indices, sink, 512**-0.5, fp8_dtype=dtype,
+                                                             sm90_kernel=False))
+    with pytest.raises(ValueError, match="sm90_kernel"):
+        tsa.sparse_attention(q[:, :16], kv, indices, sink[:16], 512**-0.5, sm90_kernel=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -27,8 +27,7 @@ T = TypeVar("T")
 KERNEL_MODULES: tuple[str, ...] = ("optimized.triton.quant", "optimized.triton.einsum", "optimized.triton.moe_routing",
                                    "optimized.triton.moe_permute", "optimized.triton.moe_gemm",
                                    "optimized.triton.sparse_attention", "optimized.triton.indexer",
-                                   "optimized.triton.rope_quant", "optimized.triton.compressor",
-                                   "optimized.triton.sparse_attention_sm90")
+                                   "optimized.triton.rope_quant", "optimized.triton.compressor")
 
 # (name, backend, arch, warp size, FP8 format native to the target)
 TARGETS = (

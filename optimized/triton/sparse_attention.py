@@ -16,9 +16,9 @@ Packed cache rows (`reference.cache` layout, 584 bytes per token): 448 FP8 NoPE 
 `fp8 * 2^(e - 127)` in fp32 (exact: the product of an E4M3 value and a power of two is a bf16 value) and uses
 the bf16 tile as above, so reading the packed cache equals reading its unpacked bf16 rows.
 
-On sm_90 GPUs the bf16-row launches with 64-head programs and no split-KV (prefill) run the same loop as a
-warp-specialized Gluon kernel: a producer warpgroup gathers the rows, and the two consumer warpgroups split S
-between them (`sparse_attention_sm90`).
+On sm_90 GPUs every launch of 64-head programs (prefill, and decode from 33 tokens at FLASH; bf16 or packed
+rows, with or without split-KV) runs the same loop as a warp-specialized Gluon kernel: a producer warpgroup
+gathers (and decodes) the rows, and the two consumer warpgroups split S between them (`sparse_attention_sm90`).
 
 Decode has few tokens, so the candidates of each (token, head block) can be split over several programs
 (split-KV); each writes its unnormalised fp32 accumulator and its (max, sum) pair, and a second kernel merges the
@@ -89,7 +89,14 @@ BLOCK_H_MIN = 16
 NARROW_BELOW = 4
 MIN_ROWS_PER_SPLIT = 128
 MAX_SPLITS = 32
-MERGE_BLOCK_H = 16
+# The merge reads every split's [heads, 512] fp32 partial once: a memory-bound pass, cut into [8 heads, 128
+# columns] programs (8 fp32 values per thread per split) so that there are enough of them to keep the loads in
+# flight (FLASH decode of batch 64, 2 splits: 2048 programs). Same-run A/B on an H100 (bitwise equal outputs,
+# docs/h200/ab-sparse-attention-merge-tile-h100.json): against the previous [16 heads, 512 columns] programs,
+# decode over the packed cache at batch 1 26.3 -> 21.3 us, batch 8 30.8 -> 26.9, batch 64 42.7 -> 41.4;
+# [16, 64] and [16, 128] are within 0.5 us of it everywhere.
+MERGE_BLOCK_H = 8
+MERGE_BLOCK_D = 128
 MERGE_NUM_WARPS = 4
 
 
@@ -201,14 +208,14 @@ def _sparse_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(
     part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, T, H, n_splits, stride_ot, stride_oh,
-    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """Merge the splits of one (token, head block) in split order, then apply the sink."""
+    """Merge the splits of one (token, head block, BLOCK_D output columns) in split order, then apply the sink."""
     t = tl.program_id(0)
     hb = tl.program_id(1)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < H
-    cols = tl.arange(0, HEAD_DIM)
+    cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     t64 = t.to(tl.int64)
 
     # global max over the splits
@@ -222,7 +229,7 @@ def _merge_splits_kernel(
     any_valid = m != float("-inf")
     m_base = tl.where(any_valid, m, 0.0)
 
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     for s in range(0, n_splits):
         part = (s * T + t64) * H + heads
@@ -263,7 +270,7 @@ def plan(n_tokens: int, n_heads: int, n_candidates: int, packed: bool, platform:
 
 def sparse_attention(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float,
-    *, splits: int | None = None, config: LaunchConfig | None = None,
+    *, splits: int | None = None, config: LaunchConfig | None = None, sm90_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Triton sparse attention with sink over bf16 rows (inputs validated by `optimized.attention`).
 
@@ -275,25 +282,31 @@ def sparse_attention(
         scale: logit scale (512^-0.5).
         splits: split-KV factor; None = `plan`'s.
         config: override the tiles (sweeps and tests); None = `plan`'s.
+        sm90_kernel: run the warp-specialized sm_90 kernel (`sparse_attention_sm90`; needs an sm_90 GPU and
+            64-head programs of 64 rows, else ValueError) or not (False: this module's portable kernel); None = it
+            runs where it can, unless `config` is given (then the portable kernel runs those tiles).
 
     Returns:
         [T, H, 512] bf16.
     """
-    return _launch(q, (kv, kv, kv), indices, sink, scale, packed=False, splits=splits, config=config)
+    return _launch(q, (kv, kv, kv), indices, sink, scale, packed=False, splits=splits, config=config,
+                   sm90_kernel=sm90_kernel)
 
 
 def sparse_attention_packed(
     q: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float,
     *, fp8_dtype: torch.dtype, splits: int | None = None, config: LaunchConfig | None = None,
+    sm90_kernel: bool | None = None,
 ) -> torch.Tensor:
     """As `sparse_attention`, over [N, 584] uint8 packed cache rows (contiguous) whose NoPE bytes are `fp8_dtype`."""
     views = (packed.view(fp8_dtype), packed.view(torch.bfloat16), packed)
-    return _launch(q, views, indices, sink, scale, packed=True, splits=splits, config=config)
+    return _launch(q, views, indices, sink, scale, packed=True, splits=splits, config=config, sm90_kernel=sm90_kernel)
 
 
 def _launch(
     q: torch.Tensor, kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], indices: torch.Tensor,
     sink: torch.Tensor, scale: float, *, packed: bool, splits: int | None, config: LaunchConfig | None,
+    sm90_kernel: bool | None,
 ) -> torch.Tensor:
     prepare_interpreter()
     n_tokens, n_heads, _ = q.shape
@@ -310,25 +323,30 @@ def _launch(
     # candidates per split: whole BLOCK_N tiles; then drop splits that would be empty
     rows_per_split = triton.cdiv(triton.cdiv(max(n_candidates, 1), max(splits, 1)), block_n) * block_n
     splits = triton.cdiv(max(n_candidates, 1), rows_per_split)
-    kv_main, kv_rope, kv_scale = kv_views
-    if not packed and config is None and not detect().interpret and sm90.supported(q, heads_per_program, splits):
-        return sm90.sparse_attention_sm90(q, kv_main, indices, sink, scale, out)
     if splits > 1:
         part_acc = torch.empty((splits, n_tokens, n_heads, HEAD_DIM), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((splits, n_tokens, n_heads, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = sink  # not read or written without splits
-    _sparse_attention_kernel[(n_tokens, n_head_blocks, splits)](
-        q, kv_main, kv_rope, kv_scale, indices, sink, out, part_acc, part_ml,
-        n_tokens, n_heads, n_candidates, rows_per_split, float(scale),
-        q.stride(0), q.stride(1), kv_main.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-        **_attention_constexprs(packed, splits > 1, heads_per_program, block_n),
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )
+    constexprs = _attention_constexprs(packed, splits > 1, heads_per_program, block_n)
+    sm90_ok = not detect().interpret and sm90.supported(q, heads_per_program, block_n)
+    if sm90_kernel and not sm90_ok:
+        raise ValueError(f"sm90_kernel: needs an sm_90 GPU and programs of {sm90.BLOCK_H} heads x {sm90.BLOCK_N} "
+                         f"rows; this launch has {heads_per_program} x {block_n} on {q.device}")
+    if sm90_kernel or (sm90_kernel is None and config is None and sm90_ok):
+        sm90.launch(q, kv_views, indices, sink, scale, out, part_acc, part_ml, rows_per_split, splits, constexprs)
+    else:
+        kv_main, kv_rope, kv_scale = kv_views
+        _sparse_attention_kernel[(n_tokens, n_head_blocks, splits)](
+            q, kv_main, kv_rope, kv_scale, indices, sink, out, part_acc, part_ml,
+            n_tokens, n_heads, n_candidates, rows_per_split, float(scale),
+            q.stride(0), q.stride(1), kv_main.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+            **constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        )
     if splits > 1:
-        _merge_splits_kernel[(n_tokens, triton.cdiv(n_heads, MERGE_BLOCK_H))](
+        _merge_splits_kernel[(n_tokens, triton.cdiv(n_heads, MERGE_BLOCK_H), HEAD_DIM // MERGE_BLOCK_D)](
             part_acc, part_ml, sink, out, n_tokens, n_heads, splits, out.stride(0), out.stride(1),
-            BLOCK_H=MERGE_BLOCK_H, HEAD_DIM=HEAD_DIM, num_warps=MERGE_NUM_WARPS,
+            BLOCK_H=MERGE_BLOCK_H, BLOCK_D=MERGE_BLOCK_D, HEAD_DIM=HEAD_DIM, num_warps=MERGE_NUM_WARPS,
         )
     return out
 
@@ -370,9 +388,12 @@ AOT_SPECS = [
     *(_attention_spec(WIDE[platform][packed], packed, split, targets)
       for platform, targets in PLATFORM_TARGETS.items() for packed in (False, True) for split in (False, True)),
     *(_attention_spec(NARROW, packed, split, ALL_TARGETS) for packed in (False, True) for split in (False, True)),
+    # the same launches of 64-head programs as the warp-specialized sm_90 kernel (`sm90.supported`)
+    *(sm90.aot_spec(_attention_signature(packed), _attention_constexprs(packed, split, sm90.BLOCK_H, sm90.BLOCK_N),
+                    _ALIGNED) for packed in (False, True) for split in (False, True)),
     AotSpec("sparse_attention_merge", _merge_splits_kernel,
             {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
              "T": "i32", "H": "i32", "n_splits": "i32", "stride_ot": "i32", "stride_oh": "i32"},
-            {"BLOCK_H": MERGE_BLOCK_H, "HEAD_DIM": HEAD_DIM}, num_warps=MERGE_NUM_WARPS,
+            {"BLOCK_H": MERGE_BLOCK_H, "BLOCK_D": MERGE_BLOCK_D, "HEAD_DIM": HEAD_DIM}, num_warps=MERGE_NUM_WARPS,
             aligned=("part_acc_ptr", "part_ml_ptr", "sink_ptr", "out_ptr", "T", "H", "stride_ot", "stride_oh")),
 ]

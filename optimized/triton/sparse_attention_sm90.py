@@ -1,22 +1,31 @@
-"""Sparse attention with sink over bf16 rows on sm_90, as a Gluon kernel (Triton's layout-explicit dialect).
+"""Sparse attention with sink on sm_90, over bf16 rows or the packed FP8 cache, as a Gluon kernel (Triton's
+layout-explicit dialect).
 
-Same function, numerics and launch grid as `optimized.triton.sparse_attention` (one program = one token x 64
-heads, all its candidate rows; fp32 online softmax, P rounded to bf16 before P V, the sink in the denominator,
-empty rows give 0, a NaN logit makes its head NaN), with the layouts and the work split chosen by hand:
+Same function, numerics, launch grid and split-KV partials as `optimized.triton.sparse_attention` (one program =
+one token x 64 heads x one split of its candidate rows; fp32 online softmax, P rounded to bf16 before P V, the sink
+in the denominator, empty rows give 0, a NaN logit makes its head NaN; with split-KV each program writes its
+unnormalised accumulator and (max, sum), and that module's merge kernel finishes), with the layouts and the work
+split chosen by hand:
 
 * S = Q K^T is split between the two consumer warpgroups (warps [4, 2]: 64 heads x BLOCK_N / 2 rows each).
   Triton's language gives a dot that feeds another dot all warps along M, so with 64 heads and 8 warps both
   warpgroups of the portable kernel compute the same S tile (docs/design-notes.md, item 13). P goes through
   shared memory into the operand layout of P V, which is split along the 512 output columns as before.
-* A producer warpgroup (`gl.warp_specialize`, 4 warps, 56 registers per thread) gathers the rows of each tile
-  with cp.async into one of two shared-memory stages and signals it on the stage's `ready` mbarrier (every
-  producer thread arrives when its copies land). The consumers release a stage on its `empty` mbarrier once both
-  warpgroups have finished P V on it. The consumers never compute gather addresses nor wait on index loads.
+* A producer warpgroup (`gl.warp_specialize`, 4 warps) fills one of two shared-memory stages per tile and
+  signals it on the stage's `ready` mbarrier. bf16 rows (56 registers per producer thread): cp.async gathers,
+  every producer thread arrives when its copies land. Packed cache rows (96 registers): each thread loads its
+  rows' FP8 NoPE bytes (all seven 64-dim blocks at once, 8-byte vectors: a 584-byte row is 8-byte aligned) and
+  their scale bytes into registers, decodes `fp8 * 2^(e - 127)` to bf16 (exact, as the portable kernel does)
+  and stores the tile; the RoPE dims go by cp.async; then a fence for the async proxy and one arrival. The
+  consumers release a stage on its `empty` mbarrier once both warpgroups have finished P V on it; they never
+  compute gather addresses, wait on index loads or decode FP8.
 
-H200, FLASH, prefill of 8192 tokens (CUDA-graph replays, L2 flushed; docs/h200/gluon-sparse-attention.json):
-2523 us against the portable kernel's 3319 us in the same run (245 vs 186 TFLOP/s), outputs within 0.002 of it.
-Used by `sparse_attention._launch` for bf16 rows with 64-head programs and no split-KV on sm_90 GPUs; the CPU
-interpreter cannot run Gluon, so everywhere else (ROCm, the interpreter, packed rows, split-KV decode) the
+H200, FLASH, prefill of 8192 tokens over bf16 rows (CUDA-graph replays, L2 flushed;
+docs/h200/gluon-sparse-attention.json): 2523 us against the portable kernel's 3319 us in the same run (245 vs
+186 TFLOP/s). H100, FLASH decode of batch 64 at a 32768-token context over the packed cache, 2 splits
+(docs/h200/ab-sparse-attention-sm90-decode-h100.json): 42.7 us against the portable kernel's 56.8 us; batch 128
+(no split) 64.9 against 84.9 us. `sparse_attention._launch` runs it for every launch of 64-head programs on an
+sm_90 GPU; the CPU interpreter cannot run Gluon, so elsewhere (ROCm, the interpreter, 16-head programs) the
 portable kernel runs.
 """
 
@@ -42,7 +51,8 @@ STAGES = 2  # Q (64 KB) + 2 x 64 KB of rows: 192 KB of sm_90's 227 KB of shared 
 CONSUMER_WARPS = 8  # the default partition: two warpgroups
 PRODUCER_WARPS = 4  # one warpgroup of gathers
 PRODUCER_REGS = 56  # registers per producer thread (addresses and masks only); the rest go to the consumers
-CHUNK = 128  # columns per cp.async instruction of the producer (keeps its address registers few)
+PACKED_PRODUCER_REGS = 96  # packed rows: the producer also holds the FP8 bytes it decodes
+COPY_CHUNK = 128  # columns per cp.async instruction of the producer (keeps its address registers few)
 HEAD_DIM = 512
 # Gluon names that changed (Triton 3.6 -> 3.9): the cp.async of a pointer tensor into shared memory
 # (`async_copy_global_to_shared` -> `async_load`) and the CTA barrier (`thread_barrier` -> `barrier`)
@@ -51,27 +61,87 @@ _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit
-def _producer(kv_ptr, idx_ptr, kv_smem, ready, empty, t64, stride_it, stride_kv, K,
-              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr):
-    """Gather tile i's rows into stage i % STAGES once it is empty; empty slots and the tail are zero-filled."""
-    LD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [rows, CHUNK] bf16: 16-byte vectors
-    for i in range(gl.cdiv(K, BLOCK_N)):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first round passes (the previous phase)
-        slots = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
-        idx = gl.load(idx_ptr + t64 * stride_it + slots, mask=slots < K, other=-1)
-        cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LD))
-        ptrs = kv_ptr + idx.to(gl.int64)[:, None] * stride_kv + cols[None, :]
-        mask = (idx >= 0)[:, None] & (cols < CHUNK)[None, :]
-        for c in gl.static_range(HEAD_DIM // CHUNK):
-            _async_load(kv_smem.index(s).slice(c * CHUNK, CHUNK, dim=1), ptrs + c * CHUNK, mask=mask)
-        cp.mbarrier_arrive(ready.index(s), increment_count=False)  # arrives when this thread's copies land
+def _gather_packed(kv_ptr, kv_rope_ptr, kv_scale_ptr, idx_ptr, stage, t64, stride_it, first, k_end,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NOPE_DIM: gl.constexpr, CHUNK: gl.constexpr,
+                   ROW_BYTES: gl.constexpr, ROPE_OFFSET: gl.constexpr, SCALE_OFFSET: gl.constexpr,
+                   PRODUCER_WARPS: gl.constexpr):
+    """Decode one tile of packed cache rows into the bf16 `stage` ([BLOCK_N, 512]): each 64-dim NoPE chunk is
+    `fp8 * 2^(e - 127)` in fp32 (exact in bf16, as in the portable kernel), the RoPE dims are copied; empty slots
+    and the tail load zeros."""
+    # [rows, 64] FP8 bytes in 8-byte vectors (a packed row is 8-byte aligned, not 16), [rows, 64] bf16 likewise
+    NOPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [PRODUCER_WARPS, 1], [1, 0])
+    slots = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, NOPE_L))
+    idx = gl.load(idx_ptr + t64 * stride_it + slots, mask=slots < k_end, other=-1)
+    rows = idx.to(gl.int64)
+    valid = idx >= 0
+    cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, NOPE_L))
+    nope_ok = valid[:, None] & (cols < CHUNK)[None, :]
+    slots_r = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_L))
+    idx_r = gl.load(idx_ptr + t64 * stride_it + slots_r, mask=slots_r < k_end, other=-1)
+    cols_r = gl.arange(0, HEAD_DIM - NOPE_DIM, layout=gl.SliceLayout(0, ROPE_L))
+    # every load of the tile first (a tuple per NoPE chunk), so they are all in flight at once: a store to shared
+    # memory between them would end in a barrier and serialize the gathers
+    chunks = ()
+    for c in gl.static_range(NOPE_DIM // CHUNK):
+        nope = gl.load(kv_ptr + rows[:, None] * ROW_BYTES + c * CHUNK + cols[None, :], mask=nope_ok, other=0.0)
+        chunks = chunks + (nope,)  # noqa: RUF005 (the JIT frontend builds tuples by concatenation)
+    # a row's 7 scale bytes and its pad byte in one 8-byte load (each thread holds whole rows' bytes)
+    j = gl.arange(0, ROW_BYTES - SCALE_OFFSET, layout=gl.SliceLayout(0, NOPE_L))
+    e_row = gl.load(kv_scale_ptr + rows[:, None] * ROW_BYTES + SCALE_OFFSET + j[None, :],
+                    mask=valid[:, None] & (j < ROW_BYTES - SCALE_OFFSET)[None, :], other=127)
+    # the bf16 RoPE dims go straight to shared memory (cp.async, no registers)
+    _async_load(stage.slice(NOPE_DIM, HEAD_DIM - NOPE_DIM, dim=1),
+                kv_rope_ptr + idx_r.to(gl.int64)[:, None] * (ROW_BYTES // 2) + ROPE_OFFSET // 2 + cols_r[None, :],
+                mask=(idx_r >= 0)[:, None] & (cols_r < HEAD_DIM - NOPE_DIM)[None, :])
+    cp.commit_group()
+    for c in gl.static_range(NOPE_DIM // CHUNK):
+        # one UE8M0 byte e per 64 NoPE dims: 2^(e - 127) is the fp32 with exponent field e
+        e = gl.max(gl.where(j[None, :] == c, e_row, 0), axis=1)
+        scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+        nope = chunks[c]
+        stage.slice(c * CHUNK, CHUNK, dim=1).store((nope.to(gl.float32) * scale[:, None]).to(gl.bfloat16))
+    cp.wait_group(0)
 
 
 @gluon.jit
-def _consumer(q_smem, kv_smem, ready, empty, idx_ptr, sink_ptr, out_ptr, t64, hb, H, K, scale, stride_it, stride_ot,
-              stride_oh, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """S = Q K^T, the online softmax and P V over every tile, then the sink and the store."""
+def _producer(kv_ptr, kv_rope_ptr, kv_scale_ptr, idx_ptr, kv_smem, ready, empty, t64, stride_it, stride_kv,
+              k_begin, k_end, PACKED: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              STAGES: gl.constexpr, COPY_CHUNK: gl.constexpr, NOPE_DIM: gl.constexpr, CHUNK: gl.constexpr,
+              ROW_BYTES: gl.constexpr, ROPE_OFFSET: gl.constexpr, SCALE_OFFSET: gl.constexpr,
+              PRODUCER_WARPS: gl.constexpr):
+    """Fill stage i % STAGES with tile i's rows once it is empty; empty slots and the tail are zero-filled."""
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [PRODUCER_WARPS, 1], [1, 0])  # [rows, COPY_CHUNK] bf16: 16 B
+    for i in range(gl.cdiv(k_end - k_begin, BLOCK_N)):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first round passes (the previous phase)
+        first = k_begin + i * BLOCK_N
+        if PACKED:
+            # loads into registers, the bf16 tile stored to shared memory: make the stores visible to the
+            # consumers' wgmma (async proxy), then one arrival for the whole warpgroup
+            _gather_packed(kv_ptr, kv_rope_ptr, kv_scale_ptr, idx_ptr, kv_smem.index(s), t64, stride_it, first,
+                           k_end, BLOCK_N, HEAD_DIM, NOPE_DIM, CHUNK, ROW_BYTES, ROPE_OFFSET, SCALE_OFFSET,
+                           PRODUCER_WARPS)
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(ready.index(s), count=1)
+        else:
+            slots = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+            idx = gl.load(idx_ptr + t64 * stride_it + slots, mask=slots < k_end, other=-1)
+            cols = gl.arange(0, COPY_CHUNK, layout=gl.SliceLayout(0, LD))
+            ptrs = kv_ptr + idx.to(gl.int64)[:, None] * stride_kv + cols[None, :]
+            mask = (idx >= 0)[:, None] & (cols < COPY_CHUNK)[None, :]
+            for c in gl.static_range(HEAD_DIM // COPY_CHUNK):
+                _async_load(kv_smem.index(s).slice(c * COPY_CHUNK, COPY_CHUNK, dim=1), ptrs + c * COPY_CHUNK, mask=mask)
+            cp.mbarrier_arrive(ready.index(s), increment_count=False)  # arrives when this thread's copies land
+
+
+@gluon.jit
+def _consumer(q_smem, kv_smem, ready, empty, idx_ptr, sink_ptr, out_ptr, part_acc_ptr, part_ml_ptr, t64, hb, split,
+              T, H, k_begin, k_end, scale, stride_it, stride_ot, stride_oh, SPLIT: gl.constexpr,
+              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """S = Q K^T, the online softmax and P V over every tile of the split, then the sink and the store (or, with
+    split-KV, the split's unnormalised accumulator and (max, sum) for the merge kernel)."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -81,10 +151,10 @@ def _consumer(q_smem, kv_smem, ready, empty, idx_ptr, sink_ptr, out_ptr, t64, hb
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
     nan_i = gl.zeros([BLOCK_H], gl.int32, layout=gl.SliceLayout(1, S_L))  # see the portable kernel
     acc = gl.zeros([BLOCK_H, HEAD_DIM], gl.float32, layout=O_L)
-    for i in range(gl.cdiv(K, BLOCK_N)):
+    for i in range(gl.cdiv(k_end - k_begin, BLOCK_N)):
         s = i % STAGES
-        slots = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-        valid = gl.load(idx_ptr + t64 * stride_it + slots, mask=slots < K, other=-1) >= 0
+        slots = k_begin + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+        valid = gl.load(idx_ptr + t64 * stride_it + slots, mask=slots < k_end, other=-1) >= 0
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         fence_async_shared()  # the landed rows are visible to the wgmma (async proxy)
         kv_t = kv_smem.index(s)
@@ -109,34 +179,49 @@ def _consumer(q_smem, kv_smem, ready, empty, idx_ptr, sink_ptr, out_ptr, t64, hb
         mbarrier.arrive(empty.index(s), count=1)  # ... so the producer may refill it
         m_i = m_new
 
-    # the sink joins the denominator only: o = acc / (l + e^(sink - M)); no valid slot -> 0
     heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_L))
     head_ok = heads < H
-    sink = gl.load(sink_ptr + heads, mask=head_ok, other=0.0)
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
-    any_valid = m_o != float("-inf")
-    denom = gl.convert_layout(l_i, gl.SliceLayout(1, O_L)) + gl.exp(sink - gl.where(any_valid, m_o, 0.0))
-    o = gl.where(any_valid[:, None], gl.div_rn(acc, denom[:, None]), 0.0)
-    o = gl.where(gl.convert_layout(nan_i, gl.SliceLayout(1, O_L))[:, None] > 0, float("nan"), o)
-    gl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + cols[None, :], o.to(gl.bfloat16),
-             mask=head_ok[:, None] & (cols < HEAD_DIM)[None, :])
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+    nan_o = gl.convert_layout(nan_i, gl.SliceLayout(1, O_L))
+    if SPLIT:
+        # partial results of this split, as the portable kernel writes them
+        part = (split.to(gl.int64) * T + t64) * H + heads
+        gl.store(part_acc_ptr + part[:, None] * HEAD_DIM + cols[None, :], acc,
+                 mask=head_ok[:, None] & (cols < HEAD_DIM)[None, :])
+        gl.store(part_ml_ptr + part * 2, gl.where(nan_o > 0, float("nan"), m_o), mask=head_ok)
+        gl.store(part_ml_ptr + part * 2 + 1, l_o, mask=head_ok)
+    else:
+        # the sink joins the denominator only: o = acc / (l + e^(sink - M)); no valid slot -> 0
+        sink = gl.load(sink_ptr + heads, mask=head_ok, other=0.0)
+        any_valid = m_o != float("-inf")
+        denom = l_o + gl.exp(sink - gl.where(any_valid, m_o, 0.0))
+        o = gl.where(any_valid[:, None], gl.div_rn(acc, denom[:, None]), 0.0)
+        o = gl.where(nan_o[:, None] > 0, float("nan"), o)
+        gl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + cols[None, :], o.to(gl.bfloat16),
+                 mask=head_ok[:, None] & (cols < HEAD_DIM)[None, :])
 
 
 @gluon.jit
 def _sparse_attention_sm90_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, H, K, scale,
-    stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
-    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr,
+    q_ptr, kv_ptr, kv_rope_ptr, kv_scale_ptr, idx_ptr, sink_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    T, H, K, rows_per_split, scale, stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
+    PACKED: gl.constexpr, SPLIT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, COPY_CHUNK: gl.constexpr, NOPE_DIM: gl.constexpr,
+    CHUNK: gl.constexpr, ROW_BYTES: gl.constexpr, ROPE_OFFSET: gl.constexpr, SCALE_OFFSET: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    """One program = one token x BLOCK_H heads over all the token's candidates: Q into shared memory, then the
-    producer and consumer partitions."""
+    """One program = one token x BLOCK_H heads x one split of the token's candidates (the portable kernel's grid):
+    Q into shared memory, then the producer and consumer partitions."""
     LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 2], [1, 0])  # [heads, 512] bf16: 16-byte vectors
     SM_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     t = gl.program_id(0)
     hb = gl.program_id(1)
+    split = gl.program_id(2)
     t64 = t.to(gl.int64)
+    k_begin = split * rows_per_split
+    k_end = gl.minimum(k_begin + rows_per_split, K)
     hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
     cq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
     q = gl.load(q_ptr + t64 * stride_qt + hq[:, None] * stride_qh + cq[None, :], mask=(hq < H)[:, None], other=0.0)
@@ -145,45 +230,50 @@ def _sparse_attention_sm90_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32)  # one no-increment arrival per producer thread
+        # packed rows: one arrival after the producer's stores; bf16 rows: one per producer thread's cp.async
+        mbarrier.init(ready.index(s), count=1 if PACKED else PRODUCER_WARPS * 32)
         mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
     gl.warp_specialize(
-        [(_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, sink_ptr, out_ptr, t64, hb, H, K, scale, stride_it,
-                      stride_ot, stride_oh, BLOCK_H, BLOCK_N, HEAD_DIM, STAGES)),
-         (_producer, (kv_ptr, idx_ptr, kv_smem, ready, empty, t64, stride_it, stride_kv, K, BLOCK_N, HEAD_DIM, STAGES,
-                      CHUNK))],
+        [(_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, sink_ptr, out_ptr, part_acc_ptr, part_ml_ptr, t64, hb,
+                      split, T, H, k_begin, k_end, scale, stride_it, stride_ot, stride_oh, SPLIT, BLOCK_H, BLOCK_N,
+                      HEAD_DIM, STAGES)),
+         (_producer, (kv_ptr, kv_rope_ptr, kv_scale_ptr, idx_ptr, kv_smem, ready, empty, t64, stride_it, stride_kv,
+                      k_begin, k_end, PACKED, BLOCK_N, HEAD_DIM, STAGES, COPY_CHUNK, NOPE_DIM, CHUNK, ROW_BYTES,
+                      ROPE_OFFSET, SCALE_OFFSET, PRODUCER_WARPS))],
         [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
-def supported(q: torch.Tensor, heads_per_program: int, splits: int) -> bool:
-    """Whether this kernel runs the launch: bf16 rows of 512 dims, 64-head programs, no split-KV, an sm_90 GPU."""
+def supported(q: torch.Tensor, heads_per_program: int, rows_per_step: int) -> bool:
+    """Whether this kernel can run the launch: 512-dim heads, programs of 64 heads x 64 rows, an sm_90 GPU."""
     return (q.is_cuda and torch.version.hip is None and q.shape[-1] == HEAD_DIM and heads_per_program == BLOCK_H
-            and splits == 1 and torch.cuda.get_device_capability(q.device) == (9, 0))
+            and rows_per_step == BLOCK_N and torch.cuda.get_device_capability(q.device) == (9, 0))
 
 
-_CONSTEXPRS = {"BLOCK_H": BLOCK_H, "BLOCK_N": BLOCK_N, "HEAD_DIM": HEAD_DIM, "STAGES": STAGES, "CHUNK": CHUNK,
-               "PRODUCER_WARPS": PRODUCER_WARPS, "PRODUCER_REGS": PRODUCER_REGS}
+def _own_constexprs(packed: bool) -> dict[str, int]:
+    return {"STAGES": STAGES, "COPY_CHUNK": COPY_CHUNK, "PRODUCER_WARPS": PRODUCER_WARPS,
+            "PRODUCER_REGS": PACKED_PRODUCER_REGS if packed else PRODUCER_REGS}
 
 
-def sparse_attention_sm90(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
-                          scale: float, out: torch.Tensor) -> torch.Tensor:
-    """Launch over bf16 rows (arguments as in `sparse_attention.sparse_attention`); writes and returns `out`."""
+def launch(q: torch.Tensor, kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], indices: torch.Tensor,
+           sink: torch.Tensor, scale: float, out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor,
+           rows_per_split: int, splits: int, constexprs: dict[str, int | bool]) -> None:
+    """The portable kernel's launch (`sparse_attention._launch`: same arguments, grid and outputs, `constexprs`
+    its `_attention_constexprs` with BLOCK_H = 64 and BLOCK_N = 64) as this kernel."""
     n_tokens, n_heads, _ = q.shape
-    _sparse_attention_sm90_kernel[(n_tokens, triton.cdiv(n_heads, BLOCK_H))](
-        q, kv, indices, sink, out, n_heads, indices.shape[1], float(scale),
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-        **_CONSTEXPRS, num_warps=CONSUMER_WARPS,
+    kv_main, kv_rope, kv_scale = kv_views
+    _sparse_attention_sm90_kernel[(n_tokens, triton.cdiv(n_heads, BLOCK_H), splits)](
+        q, kv_main, kv_rope, kv_scale, indices, sink, out, part_acc, part_ml,
+        n_tokens, n_heads, indices.shape[1], rows_per_split, float(scale),
+        q.stride(0), q.stride(1), kv_main.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+        **constexprs, **_own_constexprs(bool(constexprs["PACKED"])), num_warps=CONSUMER_WARPS,
     )
-    return out
 
 
-AOT_SPECS = [
-    AotSpec("sparse_attention_sm90[gluon,bf16,BLOCK_H=64,BLOCK_N=64,warp-specialized]", _sparse_attention_sm90_kernel,
-            {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
-             "H": "i32", "K": "i32", "scale": "fp32", "stride_qt": "i32", "stride_qh": "i32", "stride_kv": "i32",
-             "stride_it": "i32", "stride_ot": "i32", "stride_oh": "i32"},
-            _CONSTEXPRS, num_warps=CONSUMER_WARPS, gluon=True, targets=("sm_90",),
-            aligned=("q_ptr", "kv_ptr", "idx_ptr", "sink_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_kv",
-                     "stride_it", "stride_ot", "stride_oh")),
-]
+def aot_spec(signature: dict[str, str], constexprs: dict[str, int | bool], aligned: tuple[str, ...]) -> AotSpec:
+    """This kernel's launch for the portable kernel's signature and constexprs (sm_90 only)."""
+    packed, split = bool(constexprs["PACKED"]), bool(constexprs["SPLIT"])
+    return AotSpec(f"sparse_attention_sm90[gluon,{'packed' if packed else 'bf16'},BLOCK_H={BLOCK_H},"
+                   f"BLOCK_N={BLOCK_N},split={split},warp-specialized]", _sparse_attention_sm90_kernel, signature,
+                   {**constexprs, **_own_constexprs(packed)}, num_warps=CONSUMER_WARPS, gluon=True,
+                   targets=("sm_90",), aligned=aligned)
