@@ -15,7 +15,9 @@ all its tokens and stay in L2 in a real prefill too, so they are not rotated.
 
 Every candidate's output is checked against the default configuration's (the same function: the online softmax
 rescales at other places) under `SPARSE_ATTENTION_SIMULATED`; a candidate that fails to compile, run or match
-is reported with its error and never chosen.
+is reported with its error and never chosen. The default configuration is the op's own dispatch: on an sm_90
+GPU its 64-head launches run the warp-specialized Gluon kernel (`sparse_attention_sm90`), while an explicit
+`LaunchConfig` always times the portable kernel's tiles.
 """
 
 from __future__ import annotations
