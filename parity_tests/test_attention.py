@@ -121,6 +121,19 @@ def test_split_kv_merges_to_the_single_pass_result_and_reruns_bitwise(heads: int
 
 
 @needs_triton
+def test_asking_for_the_sm90_kernel_where_it_cannot_run_names_the_argument() -> None:
+    """8 heads make 16-head programs, which the Gluon kernel cannot run on any device (and the interpreter runs
+    no Gluon): asking for it raises; `sm90_kernel=False` is the default launch there."""
+    from optimized.triton import sparse_attention as tsa
+
+    q, kv, indices, sink = _attention_inputs("e4m3fn")
+    with pytest.raises(ValueError, match="sm90_kernel"):
+        tsa.sparse_attention(q, kv, indices, sink, 512**-0.5, sm90_kernel=True)
+    assert torch.equal(tsa.sparse_attention(q, kv, indices, sink, 512**-0.5, sm90_kernel=False),
+                       tsa.sparse_attention(q, kv, indices, sink, 512**-0.5))
+
+
+@needs_triton
 def test_every_gpu_tiling_of_the_candidates_matches_the_reference() -> None:
     """The interpreter runs 128 rows per step; the GPU tiles (16 or 64 rows per step, 16 or 64 heads per
     program, every platform's) rescale the online softmax at other places: still within the sparse-attention

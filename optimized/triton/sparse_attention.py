@@ -329,11 +329,13 @@ def _launch(
     else:
         part_acc = part_ml = sink  # not read or written without splits
     constexprs = _attention_constexprs(packed, splits > 1, heads_per_program, block_n)
-    sm90_ok = not detect().interpret and sm90.supported(q, heads_per_program, block_n)
-    if sm90_kernel and not sm90_ok:
+    # the Gluon kernel where asked for, or by default where no explicit tiles are (the device is queried only then)
+    wanted = config is None if sm90_kernel is None else sm90_kernel
+    use_sm90 = wanted and not detect().interpret and sm90.supported(q, heads_per_program, block_n)
+    if sm90_kernel and not use_sm90:
         raise ValueError(f"sm90_kernel: needs an sm_90 GPU and programs of {sm90.BLOCK_H} heads x {sm90.BLOCK_N} "
                          f"rows; this launch has {heads_per_program} x {block_n} on {q.device}")
-    if sm90_kernel or (sm90_kernel is None and config is None and sm90_ok):
+    if use_sm90:
         sm90.launch(q, kv_views, indices, sink, scale, out, part_acc, part_ml, rows_per_split, splits, constexprs)
     else:
         kv_main, kv_rope, kv_scale = kv_views
