@@ -312,13 +312,13 @@ def _host_call(job: Job, inputs: Inputs) -> Callable[[int], Any]:
     q, s = entry["a"]
     table = torch.zeros((2, 1, freqs.shape[0]), device=inputs.device)
     config = quant.choose_quant_config(1)
-    rows = 4 * cfg.o_groups * nb
-    args = (o, table[0], table[1], q, s, 1, rows, cfg.o_groups, *o.stride()[:2], *q.stride()[:2], *s.stride())
+    heads = max(1, config.rows // (cfg.head_dim // 128))
+    args = (o, table[0], table[1], q, s, 1, cfg.n_heads, cfg.n_heads, *o.stride()[:2], *q.stride()[:2], *s.stride())
     kw = {"HEADS_PER_GROUP": cfg.heads_per_group, "HEAD_DIM": cfg.head_dim, "ROPE_DIM": 2 * freqs.shape[0],
-          "NUM_BLOCKS": nb, "BLOCK": 128, "ROWS": config.rows, "EPS": quant.ATTN_OUT_EPS,
+          "BLOCK": 128, "HEADS": heads, "EPS": quant.ATTN_OUT_EPS,
           **quant.fp8_constants("e4m3fn"), "NATIVE_CAST": quant.native_fp8_cast("e4m3fn", o.device),
           "num_warps": config.num_warps, "enable_fp_fusion": False}
-    return lambda i: quant._inv_rope_quant_kernel[(-(-rows // config.rows),)](*args, **kw)
+    return lambda i: quant._inv_rope_quant_heads_kernel[(-(-cfg.n_heads // heads),)](*args, **kw)
 
 
 def time_host(call: Callable[[int], Any]) -> float:

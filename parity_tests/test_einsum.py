@@ -270,6 +270,49 @@ def test_triton_quantize_attn_output_deepgemm_layout_has_the_same_values(fmt: st
     assert bool((s.as_strided((g, nb, t4), (nb * t4, t4, 1))[..., t:] == 0).all())
 
 
+def _awkward_heads(t: int, h: int, head_dim: int, seed: int) -> torch.Tensor:
+    """Attention output spanning 1e-6 .. 1e3 across tokens, with an all-zero head, a head of -0.0, NaN in a NoPE and
+    in a RoPE dim (the NaN spreads to its pair's partner), +-Inf in both (the rotation makes Inf - Inf = NaN)."""
+    o = torch.randn(t, h, head_dim, generator=generator(seed)) * torch.logspace(-6, 3, t)[:, None, None]
+    o[0, 1] = 0.0
+    o[0, 2] = -0.0
+    o[1, 3 % h, head_dim - 12] = float("nan")
+    o[1, 4 % h, 10] = float("nan")
+    o[t - 1, 5 % h, head_dim - 52] = float("inf")
+    o[t - 1, 6 % h, 3] = -float("inf")
+    return o.to(KERNEL_DEVICE, torch.bfloat16)
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", KERNEL_FP8_FORMATS)
+@pytest.mark.parametrize(("heads", "head_dim", "rope_dim", "groups", "rows"),
+                         [(8, 512, 64, 2, 32), (8, 512, 64, 2, 4), (4, 256, 128, 1, 8), (8, 64, 16, 2, 32),
+                          (4, 256, 256, 2, 8)],
+                         ids=["dsv4-8-heads-a-program", "dsv4-1-head", "rope-fills-the-block", "2-heads-a-block",
+                              "rope-spans-blocks"])
+def test_triton_quantize_attn_output_bytes_equal_the_reference_on_awkward_heads(
+    heads: int, head_dim: int, rope_dim: int, groups: int, rows: int, fmt: str
+) -> None:
+    """Both kernels: the head-tiled one (whole 128-blocks per head, RoPE in the last) on the first three shapes, the
+    block-tiled one where a block holds two heads or the RoPE dims span blocks; T = 5 leaves the last program of 8
+    heads half empty and pads the DeepGEMM layout to 8 rows."""
+    from optimized.triton.quant import QuantConfig, head_kernel_fits
+    from optimized.triton.quant import quantize_attn_output as triton_quantize
+
+    assert head_kernel_fits(head_dim, rope_dim) == (head_dim % 128 == 0 and rope_dim <= 128)
+    t = 5
+    o = _awkward_heads(t, heads, head_dim, 19)
+    positions = torch.randint(0, 1 << 20, (t,), generator=generator(20)).to(KERNEL_DEVICE)
+    freqs = (torch.rand(rope_dim // 2, generator=generator(21)) * 0.1).to(KERNEL_DEVICE)
+    rq, rs = ref.quantize_attn_output(o, positions, freqs, n_groups=groups, fmt=fmt)
+    assert bool(rs.eq(2.0**127).any()), "the NaN blocks must be in the case"
+    for layout in ("row_major", "deepgemm"):
+        q, s = triton_quantize(o, positions, freqs, n_groups=groups, fmt=fmt, scale_layout=layout,
+                               config=QuantConfig(rows, 4))
+        assert _same_fp8(q, rq), layout
+        assert torch.equal(s, rs), layout
+
+
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 

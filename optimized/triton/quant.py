@@ -1,6 +1,11 @@
 """Activation FP8 quantization kernels: per-token 1 x B blocks, and the attention output's fused inverse RoPE.
 
-Two kernels, one per-block recipe (spec §2.1-§2.3): amax of the block -> power-of-two scale computed on
+The attention output has two kernels: a head-tiled one for heads of whole 128-blocks with their RoPE dims in the
+last (DSv4's 512 / 64; the rotation touches those dims alone and a token's heads share one cos / sin load), and a
+block-tiled one for every other shape the op accepts (a block holding several heads, RoPE dims across blocks),
+which rotates every (even, odd) pair under a mask. Both produce the same bytes.
+
+One per-block recipe (spec §2.1-§2.3): amax of the block -> power-of-two scale computed on
 the bits (`_fp8.ue8m0_scale`) -> `x * (1 / s)` (exact: `1 / s` is a power of two built from the scale's
 exponent) -> exact RNE onto the E4M3 grid (`_fp8.cast_to_fp8`: the device's own cast where it rounds so)
 -> store. The bytes equal the reference's (`reference.formats.quantize_per_token`,
@@ -50,27 +55,46 @@ _TILE_ELEMENTS = 4096
 
 
 @triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _amax(x, axis: tl.constexpr):
+    """max |x| along `axis`, NaN if the run holds one (`tl.max` drops NaN): `ue8m0_scale` then gives the reference's
+    NaN-block scale 2^127, as torch's amax propagates the NaN and the UE8M0 exponent clamps at 254."""
+    return tl.reduce(tl.abs(x), axis, _nan_max)
+
+
+@triton.jit
 def _block_scale(x, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
-    """Power-of-two scale of each row of `x` [rows, BLOCK] (fp32). A row holding a NaN gets 2^127, as in the
-    reference: torch's amax propagates the NaN and the UE8M0 exponent clamps at 254 (Triton's max drops NaN)."""
-    scale = ue8m0_scale(tl.max(tl.abs(x), axis=1), FP8_MAX, EPS)
-    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-    return tl.where(has_nan, 2.0**127, scale)
+    """Power-of-two scale of each row of `x` [rows, BLOCK] (fp32)."""
+    return ue8m0_scale(_amax(x, 1), FP8_MAX, EPS)
+
+
+@triton.jit
+def _to_fp8(xs, out_dtype: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+            HAS_NEG_ZERO: tl.constexpr, NATIVE_CAST: tl.constexpr):
+    """Scaled values `xs` rounded onto the FP8 grid and cast to `out_dtype`; NaN stays NaN.
+
+    The native cast writes NaN as 0x7F itself. The clamps of `round_to_fp8_grid` would turn a NaN into +-FP8_MAX,
+    so there NaN elements get the format's NaN byte (0x7F e4m3fn, 0x80 e4m3fnuz) by bitcast, which every backend
+    and the interpreter store as is.
+    """
+    q = cast_to_fp8(xs, out_dtype, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO, NATIVE_CAST)
+    if NATIVE_CAST:
+        return q
+    nan = tl.full(xs.shape, 0x7F if HAS_NEG_ZERO else 0x80, tl.uint8).to(out_dtype, bitcast=True)
+    return tl.where(xs != xs, nan, q)
 
 
 @triton.jit
 def _quantize_rows(x, scale, out_dtype: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
                    HAS_NEG_ZERO: tl.constexpr, NATIVE_CAST: tl.constexpr):
-    """`x / scale` (one scale per row) rounded onto the FP8 grid and cast to `out_dtype`; NaN stays NaN.
-
-    `1 / scale` is built from the scale's exponent bits (`pow2_reciprocal`: exact). The
-    clamps of `round_to_fp8_grid` would turn a NaN into +-FP8_MAX, so NaN elements get the format's NaN
-    byte (0x7F e4m3fn, 0x80 e4m3fnuz) by bitcast, which every backend and the interpreter store as is.
-    """
+    """`x / scale` (one scale per row; `1 / scale` built from the scale's exponent bits by `pow2_reciprocal`:
+    exact) as FP8 (`_to_fp8`)."""
     xs = x * pow2_reciprocal(scale)[:, None]
-    q = cast_to_fp8(xs, out_dtype, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO, NATIVE_CAST)
-    nan = tl.full(xs.shape, 0x7F if HAS_NEG_ZERO else 0x80, tl.uint8).to(out_dtype, bitcast=True)
-    return tl.where(xs != xs, nan, q)
+    return _to_fp8(xs, out_dtype, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO, NATIVE_CAST)
 
 
 @triton.jit
@@ -149,12 +173,74 @@ def _inv_rope_quant_kernel(
     tl.store(s_ptr + t * stride_st + g * stride_sg + kb * stride_sk, tl.where(valid, scale, 0.0), mask=in_space)
 
 
+@triton.jit(do_not_specialize=["T", "HEAD_ROWS"])
+def _inv_rope_quant_heads_kernel(
+    o_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr,
+    T, HEAD_ROWS, N_HEADS, stride_ot, stride_oh, stride_qt, stride_qg, stride_st, stride_sg, stride_sk,
+    HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    HEADS: tl.constexpr, EPS: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, NATIVE_CAST: tl.constexpr,
+):
+    """One program = HEADS consecutive (token, head) rows of `o`, each a power-of-two number of whole scale
+    blocks with all its RoPE dims in the last block (DSv4: 512 = 4 x 128, RoPE dims 448..511): the same
+    bytes as `_inv_rope_quant_kernel` with the rotation done on the RoPE dims alone.
+
+    The head is loaded as a [HEADS, NB, BLOCK] tile and its RoPE dims a second time as one [HEADS, ROPE_DIM] run
+    (from L1 / L2), split into (even, odd) pairs whose cos / sin every head of the token shares. The tile's own
+    copy of those dims only fills the amax with zeros and is not stored. Rows of tokens t >= T (padding rows of the
+    DeepGEMM scale layout) only write scale 0.
+    """
+    NB: tl.constexpr = HEAD_DIM // BLOCK
+    NOPE_DIM: tl.constexpr = HEAD_DIM - ROPE_DIM
+    HALF: tl.constexpr = ROPE_DIM // 2
+    r = tl.program_id(0).to(tl.int64) * HEADS + tl.arange(0, HEADS)
+    t = r // N_HEADS
+    h = r % N_HEADS
+    in_space = r < HEAD_ROWS
+    valid = in_space & (t < T)
+    b = tl.arange(0, NB)
+    col = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [NB, BLOCK] dim within the head
+    src = o_ptr + t * stride_ot + h * stride_oh
+    x = tl.load(src[:, None, None] + col[None, :, :], mask=valid[:, None, None], other=0.0).to(tl.float32)
+    pairs = tl.load(src[:, None] + NOPE_DIM + tl.arange(0, ROPE_DIM)[None, :], mask=valid[:, None], other=0.0)
+    even, odd = tl.split(tl.reshape(pairs.to(tl.float32), (HEADS, HALF, 2)))
+    angle = t[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_ptr + angle, mask=valid[:, None], other=1.0)
+    sin = tl.load(sin_ptr + angle, mask=valid[:, None], other=0.0)
+    # inverse GPT-J RoPE in fp32 (spec §2.8): x_e' = x_e cos + x_o sin,  x_o' = x_o cos - x_e sin
+    even_rot = even * cos + odd * sin
+    odd_rot = odd * cos - even * sin
+
+    # per-block amax -> power-of-two scale; the last block's amax takes the rotated dims in place of its copy
+    is_rope = (col >= NOPE_DIM)[None, :, :]
+    block_amax = _amax(tl.where(is_rope, 0.0, x), 2)  # [HEADS, NB]
+    is_last = (b == NB - 1)[None, :]
+    last_amax = _nan_max(_nan_max(_amax(tl.where(is_last, block_amax, 0.0), 1), _amax(even_rot, 1)),
+                         _amax(odd_rot, 1))  # [HEADS]
+    scale = ue8m0_scale(tl.where(is_last, last_amax[:, None], block_amax), FP8_MAX, EPS)
+    last_inverse = pow2_reciprocal(ue8m0_scale(last_amax, FP8_MAX, EPS))[:, None]
+
+    out_dtype: tl.constexpr = q_ptr.dtype.element_ty
+    g = h // HEADS_PER_GROUP
+    dst = q_ptr + t * stride_qt + g * stride_qg + (h % HEADS_PER_GROUP) * HEAD_DIM
+    q = _to_fp8(x * pow2_reciprocal(scale)[:, :, None], out_dtype, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO, NATIVE_CAST)
+    tl.store(dst[:, None, None] + col[None, :, :], q, mask=valid[:, None, None] & ~is_rope)
+    q_even = _to_fp8(even_rot * last_inverse, out_dtype, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO, NATIVE_CAST)
+    q_odd = _to_fp8(odd_rot * last_inverse, out_dtype, FP8_MAX, MIN_NORMAL_EXP, HAS_NEG_ZERO, NATIVE_CAST)
+    q_pairs = tl.reshape(tl.join(q_even, q_odd), (HEADS, ROPE_DIM))
+    tl.store(dst[:, None] + NOPE_DIM + tl.arange(0, ROPE_DIM)[None, :], q_pairs, mask=valid[:, None])
+    dst_scale = s_ptr + t * stride_st + g * stride_sg + (h % HEADS_PER_GROUP) * NB * stride_sk
+    tl.store(dst_scale[:, None] + b[None, :] * stride_sk, tl.where(valid[:, None], scale, 0.0),
+             mask=in_space[:, None])
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """Launch configuration of the attention-output quantization.
 
     Attributes:
-        rows: scale blocks (rows of 128 channels) per program; a power of two.
+        rows: scale blocks (rows of 128 channels) per program; a power of two. The head-tiled kernel takes
+            `rows / (head_dim / 128)` whole heads (at least one).
         num_warps: Triton launch option.
     """
 
@@ -165,8 +251,18 @@ class QuantConfig:
 # (largest T, config) rows, first match wins; `python -m benchmarks.sweep_einsum` times the alternatives.
 QUANT_TABLE: tuple[tuple[int, QuantConfig], ...] = (
     (16, QuantConfig(8, 2)),  # decode: a few hundred blocks, spread them over the SMs
-    (1 << 62, QuantConfig(32, 4)),  # 8 KB of bf16 per program, four 16-byte loads per thread
+    # 16 whole heads (16 KB of bf16) per program: H100 T = 4096 145.2 us against 149.0 with 8 heads and 167.5 with 4
+    # (design note 33); eight 16-byte loads per thread
+    (1 << 62, QuantConfig(64, 4)),
 )
+
+
+def head_kernel_fits(head_dim: int, rope_dim: int) -> bool:
+    """Whether `_inv_rope_quant_heads_kernel` takes heads of `head_dim` with `rope_dim` RoPE dims: a power-of-two
+    number of whole scale blocks, the RoPE dims (a power of two) inside the last one. DSv4 (512, 64) does."""
+    blocks = head_dim // SCALE_BLOCK
+    return (head_dim % SCALE_BLOCK == 0 and blocks & (blocks - 1) == 0 and rope_dim <= SCALE_BLOCK
+            and rope_dim & (rope_dim - 1) == 0)
 
 
 def choose_quant_config(t: int) -> QuantConfig:
@@ -365,37 +461,60 @@ def quantize_attn_output_checked(
     angles = torch.mul(positions[:, None], freqs)
     torch.cos(angles, out=table[0])
     torch.sin(angles, out=table[1])
+    fp8_kwargs = {**fp8_constants(f), "NATIVE_CAST": native_fp8_cast(f, o.device), "EPS": ATTN_OUT_EPS}
+    if head_kernel_fits(head_dim, 2 * half):
+        heads = max(1, config.rows // (head_dim // SCALE_BLOCK))
+        _inv_rope_quant_heads_kernel[(-(-t_pad * h // heads),)](
+            o, table[0], table[1], o_fp8, o_scale,
+            t, t_pad * h, h, o.stride(0), o.stride(1), o_fp8.stride(0), o_fp8.stride(1),
+            stride_st, stride_sg, stride_sk,
+            HEADS_PER_GROUP=heads_per_group, HEAD_DIM=head_dim, ROPE_DIM=2 * half, BLOCK=SCALE_BLOCK, HEADS=heads,
+            **fp8_kwargs, num_warps=config.num_warps, enable_fp_fusion=False,
+        )
+        return o_fp8, o_scale
     rows_total = t_pad * n_groups * nb
     _inv_rope_quant_kernel[(-(-rows_total // config.rows),)](
         o, table[0], table[1], o_fp8, o_scale,
         t, rows_total, n_groups, o.stride(0), o.stride(1), o_fp8.stride(0), o_fp8.stride(1),
         stride_st, stride_sg, stride_sk,
         HEADS_PER_GROUP=heads_per_group, HEAD_DIM=head_dim, ROPE_DIM=2 * half,
-        NUM_BLOCKS=nb, BLOCK=SCALE_BLOCK, ROWS=config.rows, EPS=ATTN_OUT_EPS,
-        **fp8_constants(f), NATIVE_CAST=native_fp8_cast(f, o.device), num_warps=config.num_warps,
+        NUM_BLOCKS=nb, BLOCK=SCALE_BLOCK, ROWS=config.rows, **fp8_kwargs, num_warps=config.num_warps,
         enable_fp_fusion=False,
     )
     return o_fp8, o_scale
 
 
 # Launch configurations compiled ahead of time (optimized.triton.aot): the attention output of FLASH and
-# PRO (8 heads x 512 per group = 32 blocks of 128), and the per-token kernel at its three block sizes.
+# PRO (8 heads x 512 per group, 64 RoPE dims: the head-tiled kernel), the block-tiled kernel on heads of 64 dims
+# (two to a scale block), and the per-token kernel at its three block sizes.
+_ATTN_SIGNATURE = {"o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*{fp8}", "s_ptr": "*fp32"}
+_ATTN_ALIGNED = ("o_ptr", "cos_ptr", "sin_ptr", "q_ptr", "s_ptr", "stride_ot", "stride_oh", "stride_qt", "stride_qg")
 AOT_SPECS = [
     *(
         AotSpec(
-            name=f"inv_rope_quant[hpg=8,head=512,rows={config.rows}]",
-            kernel=_inv_rope_quant_kernel,
-            signature={"o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*{fp8}", "s_ptr": "*fp32",
-                       **dict.fromkeys(("T", "ROWS_TOTAL", "GROUPS", "stride_ot", "stride_oh", "stride_qt", "stride_qg",
+            name=f"inv_rope_quant_heads[hpg=8,head=512,heads={config.rows // 4}]",
+            kernel=_inv_rope_quant_heads_kernel,
+            signature={**_ATTN_SIGNATURE,
+                       **dict.fromkeys(("T", "HEAD_ROWS", "N_HEADS", "stride_ot", "stride_oh", "stride_qt", "stride_qg",
                                         "stride_st", "stride_sg", "stride_sk"), "i32")},
-            constexprs={"HEADS_PER_GROUP": 8, "HEAD_DIM": 512, "ROPE_DIM": 64, "NUM_BLOCKS": 32,
-                        "BLOCK": SCALE_BLOCK, "ROWS": config.rows, "EPS": ATTN_OUT_EPS},
+            constexprs={"HEADS_PER_GROUP": 8, "HEAD_DIM": 512, "ROPE_DIM": 64, "BLOCK": SCALE_BLOCK,
+                        "HEADS": config.rows // 4, "EPS": ATTN_OUT_EPS},
             fp8=True,
             num_warps=config.num_warps,
-            aligned=("o_ptr", "cos_ptr", "sin_ptr", "q_ptr", "s_ptr", "stride_ot", "stride_oh", "stride_qt",
-                     "stride_qg"),
+            aligned=_ATTN_ALIGNED,
         )
         for _, config in QUANT_TABLE
+    ),
+    AotSpec(
+        name="inv_rope_quant[hpg=8,head=64,rows=32]",
+        kernel=_inv_rope_quant_kernel,
+        signature={**_ATTN_SIGNATURE,
+                   **dict.fromkeys(("T", "ROWS_TOTAL", "GROUPS", "stride_ot", "stride_oh", "stride_qt", "stride_qg",
+                                    "stride_st", "stride_sg", "stride_sk"), "i32")},
+        constexprs={"HEADS_PER_GROUP": 8, "HEAD_DIM": 64, "ROPE_DIM": 16, "NUM_BLOCKS": 4, "BLOCK": SCALE_BLOCK,
+                    "ROWS": 32, "EPS": ATTN_OUT_EPS},
+        fp8=True,
+        aligned=_ATTN_ALIGNED,
     ),
     *(
         AotSpec(
