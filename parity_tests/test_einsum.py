@@ -286,16 +286,16 @@ def _awkward_heads(t: int, h: int, head_dim: int, seed: int) -> torch.Tensor:
 @needs_triton
 @pytest.mark.parametrize("fmt", KERNEL_FP8_FORMATS)
 @pytest.mark.parametrize(("heads", "head_dim", "rope_dim", "groups", "rows"),
-                         [(8, 512, 64, 2, 32), (8, 512, 64, 2, 4), (4, 256, 128, 1, 8), (8, 64, 16, 2, 32),
-                          (4, 256, 256, 2, 8)],
-                         ids=["dsv4-8-heads-a-program", "dsv4-1-head", "rope-fills-the-block", "2-heads-a-block",
-                              "rope-spans-blocks"])
+                         [(8, 512, 64, 2, 32), (8, 512, 64, 2, 64), (8, 512, 64, 2, 4), (4, 256, 128, 1, 8),
+                          (8, 64, 16, 2, 32), (4, 256, 256, 2, 8)],
+                         ids=["dsv4-8-heads-a-program", "dsv4-2-tokens-a-program", "dsv4-1-head",
+                              "rope-fills-the-block", "2-heads-a-block", "rope-spans-blocks"])
 def test_triton_quantize_attn_output_bytes_equal_the_reference_on_awkward_heads(
     heads: int, head_dim: int, rope_dim: int, groups: int, rows: int, fmt: str
 ) -> None:
-    """Both kernels: the head-tiled one (whole 128-blocks per head, RoPE in the last) on the first three shapes, the
-    block-tiled one where a block holds two heads or the RoPE dims span blocks; T = 5 leaves the last program of 8
-    heads half empty and pads the DeepGEMM layout to 8 rows."""
+    """Both kernels: the head-tiled one (whole 128-blocks per head, RoPE in the last) on the first four shapes (16
+    heads a program take two tokens of 8 heads), the block-tiled one where a block holds two heads or the RoPE dims
+    span blocks; T = 5 leaves the last program partly empty and pads the DeepGEMM layout to 8 rows."""
     from optimized.triton.quant import QuantConfig, head_kernel_fits
     from optimized.triton.quant import quantize_attn_output as triton_quantize
 
