@@ -313,6 +313,36 @@ def test_triton_quantize_attn_output_bytes_equal_the_reference_on_awkward_heads(
         assert torch.equal(s, rs), layout
 
 
+@needs_triton
+@pytest.mark.parametrize(("head_dim", "rope_dim", "kernel", "other"),
+                         [(512, 64, "_inv_rope_quant_heads_kernel", "_inv_rope_quant_kernel"),
+                          (64, 16, "_inv_rope_quant_kernel", "_inv_rope_quant_heads_kernel")],
+                         ids=["dsv4-heads", "two-heads-a-block"])
+def test_triton_quantize_attn_output_launches_the_kernel_for_its_shape(
+    head_dim: int, rope_dim: int, kernel: str, other: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DSv4's heads take the head-tiled kernel (the fast path must not fall back silently), other shapes the
+    block-tiled one."""
+    from optimized.triton import quant
+
+    launched = []
+
+    class Spy:
+        def __init__(self, name: str) -> None:
+            self.name, self.kernel = name, getattr(quant, name)
+
+        def __getitem__(self, grid: object) -> Callable[..., None]:
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in (kernel, other):
+        monkeypatch.setattr(quant, name, Spy(name))
+    o = torch.randn(2, 8, head_dim, generator=generator(22)).to(KERNEL_DEVICE, torch.bfloat16)
+    freqs = torch.rand(rope_dim // 2, generator=generator(23)).to(KERNEL_DEVICE)
+    quant.quantize_attn_output(o, torch.arange(2, device=KERNEL_DEVICE), freqs, n_groups=2)
+    assert launched == [kernel]
+
+
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -458,7 +488,8 @@ def no_kernel_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     from optimized.triton import quant
 
     for module, name in ((quant, "_quant_per_token_kernel"), (quant, "_inv_rope_quant_kernel"),
-                         (triton_einsum, "_fp8_einsum_kernel"), (triton_einsum, "_split_k_reduce_kernel")):
+                         (quant, "_inv_rope_quant_heads_kernel"), (triton_einsum, "_fp8_einsum_kernel"),
+                         (triton_einsum, "_split_k_reduce_kernel")):
         monkeypatch.setattr(module, name, _NoLaunch())
 
 
