@@ -312,7 +312,7 @@ def _host_call(job: Job, inputs: Inputs) -> Callable[[int], Any]:
     q, s = entry["a"]
     table = torch.zeros((2, 1, freqs.shape[0]), device=inputs.device)
     config = quant.choose_quant_config(1)
-    heads = max(1, config.rows // (cfg.head_dim // 128))
+    heads = quant.program_heads(config, cfg.head_dim)
     args = (o, table[0], table[1], q, s, 1, cfg.n_heads, cfg.n_heads, *o.stride()[:2], *q.stride()[:2], *s.stride())
     kw = {"HEADS_PER_GROUP": cfg.heads_per_group, "HEAD_DIM": cfg.head_dim, "ROPE_DIM": 2 * freqs.shape[0],
           "BLOCK": 128, "HEADS": heads, "EPS": quant.ATTN_OUT_EPS,

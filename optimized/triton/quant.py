@@ -133,8 +133,8 @@ def _inv_rope_quant_kernel(
     [ROWS, BLOCK] tile: load, inverse RoPE, amax, scale, round, store.
 
     Rows of tokens t >= T (padding rows of the DeepGEMM scale layout) only write scale 0. When a head is a
-    whole number of blocks (DSv4: 512 = 4 x 128) each row is one contiguous run of `o`, so loads and stores
-    are 16-byte vectors.
+    whole number of blocks each row is one contiguous run of `o`, so loads and stores are 16-byte vectors.
+    DSv4's heads take `_inv_rope_quant_heads_kernel` instead.
     """
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     t = rows // (GROUPS * NUM_BLOCKS)
@@ -263,6 +263,12 @@ def head_kernel_fits(head_dim: int, rope_dim: int) -> bool:
     blocks = head_dim // SCALE_BLOCK
     return (head_dim % SCALE_BLOCK == 0 and blocks & (blocks - 1) == 0 and rope_dim <= SCALE_BLOCK
             and rope_dim & (rope_dim - 1) == 0)
+
+
+def program_heads(config: QuantConfig, head_dim: int) -> int:
+    """Heads per program of `_inv_rope_quant_heads_kernel` under `config`: its `rows` scale blocks as whole heads
+    (at least one)."""
+    return max(1, config.rows // (head_dim // SCALE_BLOCK))
 
 
 def choose_quant_config(t: int) -> QuantConfig:
@@ -463,7 +469,7 @@ def quantize_attn_output_checked(
     torch.sin(angles, out=table[1])
     fp8_kwargs = {**fp8_constants(f), "NATIVE_CAST": native_fp8_cast(f, o.device), "EPS": ATTN_OUT_EPS}
     if head_kernel_fits(head_dim, 2 * half):
-        heads = max(1, config.rows // (head_dim // SCALE_BLOCK))
+        heads = program_heads(config, head_dim)
         _inv_rope_quant_heads_kernel[(-(-t_pad * h // heads),)](
             o, table[0], table[1], o_fp8, o_scale,
             t, t_pad * h, h, o.stride(0), o.stride(1), o_fp8.stride(0), o_fp8.stride(1),
@@ -492,13 +498,13 @@ _ATTN_ALIGNED = ("o_ptr", "cos_ptr", "sin_ptr", "q_ptr", "s_ptr", "stride_ot", "
 AOT_SPECS = [
     *(
         AotSpec(
-            name=f"inv_rope_quant_heads[hpg=8,head=512,heads={config.rows // 4}]",
+            name=f"inv_rope_quant_heads[hpg=8,head=512,heads={program_heads(config, 512)}]",
             kernel=_inv_rope_quant_heads_kernel,
             signature={**_ATTN_SIGNATURE,
                        **dict.fromkeys(("T", "HEAD_ROWS", "N_HEADS", "stride_ot", "stride_oh", "stride_qt", "stride_qg",
                                         "stride_st", "stride_sg", "stride_sk"), "i32")},
             constexprs={"HEADS_PER_GROUP": 8, "HEAD_DIM": 512, "ROPE_DIM": 64, "BLOCK": SCALE_BLOCK,
-                        "HEADS": config.rows // 4, "EPS": ATTN_OUT_EPS},
+                        "HEADS": program_heads(config, 512), "EPS": ATTN_OUT_EPS},
             fp8=True,
             num_warps=config.num_warps,
             aligned=_ATTN_ALIGNED,
