@@ -236,6 +236,67 @@ def test_launches_of_64_head_programs_run_the_sm90_kernel() -> None:
         tsa.sparse_attention(q[:, :16], kv, indices, sink[:16], 512**-0.5, sm90_kernel=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (the Gluon kernel of sparse_attention_sm90)")
+@pytest.mark.parametrize("scale_layout", ["deepgemm", "row_major"])
+@pytest.mark.parametrize("heads", [64, 128])
+def test_sm90_kernel_stores_its_output_quantized_with_the_quantization_kernels_bytes(
+        heads: int, scale_layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sparse_attention_quantized` on the sm_90 kernel (prefill: one split) quantizes in the kernel's epilogue:
+    the same FP8 bytes and scales as the attention then `quantize_attn_output`, over bf16 rows and the packed
+    cache, with a NaN query head, a token without any slot (0 output: the EPS scale), 5 tokens (the DeepGEMM
+    layout's padding row), one and two 64-head programs. The quantization kernel must not run."""
+    from optimized.triton import quant
+    from optimized.triton import sparse_attention as tsa
+
+    q, kv, indices, sink = _attention_inputs("e4m3fn", tokens=5, heads=heads, rows=700, slots=300)
+    indices[2] = -1
+    q[4, 3, 10] = float("nan")
+    positions = torch.tensor([3, 700, 4095, 4096, 65000], device=q.device)
+    freqs = yarn_frequencies(TINY, 4).to(q.device)
+    groups = heads // 8
+    o = tsa.sparse_attention(q, kv, indices, sink, 512**-0.5, splits=1)
+    want = quant.quantize_attn_output_checked(o, positions, freqs, n_groups=groups, scale_layout=scale_layout)
+
+    def no_quantization_kernel(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the fused path ran the quantization kernel")
+
+    monkeypatch.setattr(quant, "quantize_attn_output_checked", no_quantization_kernel)
+    dtype = fp8_format("e4m3fn").dtype
+    for got in (tsa.sparse_attention_quantized(q, kv, indices, sink, 512**-0.5, positions, freqs, n_groups=groups,
+                                               scale_layout=scale_layout),
+                tsa.sparse_attention_quantized(q, pack_kv(kv), indices, sink, 512**-0.5, positions, freqs,
+                                               n_groups=groups, scale_layout=scale_layout, packed_fp8_dtype=dtype)):
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
+        assert got[1].stride() == want[1].stride()
+        if scale_layout == "deepgemm":  # the padding row of the 5 tokens' scales is 0, as the kernel writes it
+            pad = got[1].as_strided((8 - 5, groups, 32), got[1].stride(), got[1].storage_offset() + 5)
+            assert bool((pad == 0).all())
+
+
+@needs_triton
+def test_sparse_attention_quantized_names_bad_groups_and_falls_back_off_sm90() -> None:
+    """Groups that do not split the heads into whole 128-channel blocks name `n_groups`; where the sm_90 kernel
+    does not run (here: the CPU interpreter, 8-head programs), the result is the attention then the quantization
+    kernel, in either scale layout."""
+    from optimized.triton import quant
+    from optimized.triton import sparse_attention as tsa
+
+    q, kv, indices, sink = _attention_inputs("e4m3fn", tokens=3, heads=8)
+    positions = torch.tensor([0, 5, 130], device=q.device)
+    freqs = yarn_frequencies(TINY, 4).to(q.device)
+    with pytest.raises(ValueError, match="n_groups"):
+        tsa.sparse_attention_quantized(q, kv, indices, sink, 512**-0.5, positions, freqs, n_groups=3)
+    o = tsa.sparse_attention(q, kv, indices, sink, 512**-0.5)
+    for layout in ("deepgemm", "row_major"):
+        want = quant.quantize_attn_output_checked(o, positions, freqs, n_groups=2, scale_layout=layout)
+        got = tsa.sparse_attention_quantized(q, kv, indices, sink, 512**-0.5, positions, freqs, n_groups=2,
+                                             scale_layout=layout)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1], want[1])
+
+
 # ------------------------------------------------------------------------------------------------
 # Indexer top-k
 # ------------------------------------------------------------------------------------------------

@@ -427,6 +427,36 @@ def quantize_attn_output(
                                         config=config)
 
 
+def attn_output_buffers(t: int, n_groups: int, group_dim: int, dtype: torch.dtype, device: torch.device,
+                        scale_layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The outputs of `quantize_attn_output` (see there), and the scale layout's padding rows.
+
+    Returns:
+        o_fp8: [T, G, group_dim] view of [G, T, group_dim] storage.
+        o_scale: [T, G, group_dim / 128] fp32 in `scale_layout`.
+        padding: [align(T, 4) - T, G, group_dim / 128], the DeepGEMM layout's padding rows (whoever writes
+            `o_scale` writes 0 there); empty for row-major scales.
+    """
+    nb = group_dim // SCALE_BLOCK
+    o_fp8 = torch.empty((n_groups, t, group_dim), dtype=dtype, device=device).transpose(0, 1)
+    if scale_layout == "deepgemm":
+        storage = torch.empty((n_groups, nb, _aligned(t)), dtype=torch.float32, device=device)
+        rows = storage.permute(2, 0, 1)  # [T4, G, nb], strides (1, nb * T4, T4)
+        return o_fp8, rows[:t], rows[t:]
+    o_scale = torch.empty((t, n_groups, nb), dtype=torch.float32, device=device)
+    return o_fp8, o_scale, o_scale[t:]
+
+
+def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """[2, T, d/2] fp32: the reference's `rope_cos_sin` (fp32(p) * f: the int -> fp32 promotion of torch.mul
+    rounds as .to does), cos then sin, each contiguous."""
+    table = torch.empty((2, positions.shape[0], freqs.shape[0]), dtype=torch.float32, device=positions.device)
+    angles = torch.mul(positions[:, None], freqs)
+    torch.cos(angles, out=table[0])
+    torch.sin(angles, out=table[1])
+    return table
+
+
 def quantize_attn_output_checked(
     o: torch.Tensor,
     positions: torch.Tensor,
@@ -444,27 +474,16 @@ def quantize_attn_output_checked(
     heads_per_group = h // n_groups
     group_dim = heads_per_group * head_dim
     nb = group_dim // SCALE_BLOCK
-    o_fp8 = torch.empty((n_groups, t, group_dim), dtype=f.dtype, device=o.device).transpose(0, 1)
-    if scale_layout == "deepgemm":
-        t_pad = _aligned(t)
-        storage = torch.empty((n_groups, nb, t_pad), dtype=torch.float32, device=o.device)
-        o_scale = storage.permute(2, 0, 1)[:t]  # [T, G, nb], strides (1, nb * T4, T4)
-        stride_st, stride_sg, stride_sk = 1, nb * t_pad, t_pad
-    else:
-        t_pad = t
-        o_scale = torch.empty((t, n_groups, nb), dtype=torch.float32, device=o.device)
-        stride_st, stride_sg, stride_sk = n_groups * nb, nb, 1
+    o_fp8, o_scale, padding = attn_output_buffers(t, n_groups, group_dim, f.dtype, o.device, scale_layout)
+    t_pad = t + padding.shape[0]
+    stride_st, stride_sg, stride_sk = o_scale.stride()
     if t_pad == 0:
         return o_fp8, o_scale
     if config is None:
         config = choose_quant_config(t)
     prepare_interpreter()
-    # the reference's `rope_cos_sin`: fp32(p) * f (the int -> fp32 promotion of torch.mul rounds as .to does)
+    table = rope_table(positions, freqs)
     half = freqs.shape[0]
-    table = torch.empty((2, t, half), dtype=torch.float32, device=o.device)
-    angles = torch.mul(positions[:, None], freqs)
-    torch.cos(angles, out=table[0])
-    torch.sin(angles, out=table[1])
     fp8_kwargs = {**fp8_constants(f), "NATIVE_CAST": native_fp8_cast(f, o.device), "EPS": ATTN_OUT_EPS}
     if head_kernel_fits(head_dim, 2 * half):
         heads = program_heads(config, head_dim)

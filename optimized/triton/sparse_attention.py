@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from optimized.backends import detect
+from optimized.triton import quant
 from optimized.triton import sparse_attention_sm90 as sm90
 from optimized.triton._fp8 import prepare_interpreter
 from optimized.triton.aot import ALL_TARGETS, PLATFORM_TARGETS, AotSpec, tile_platform
@@ -303,11 +304,52 @@ def sparse_attention_packed(
     return _launch(q, views, indices, sink, scale, packed=True, splits=splits, config=config, sm90_kernel=sm90_kernel)
 
 
+def sparse_attention_quantized(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float,
+    positions: torch.Tensor, freqs: torch.Tensor, *, n_groups: int, scale_layout: str = "deepgemm",
+    packed_fp8_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quant.quantize_attn_output_checked(attention, positions, freqs, n_groups=n_groups, fmt="e4m3fn",
+    scale_layout=scale_layout)` of this module's attention output, the output projection's FP8 input.
+
+    Where the launch runs the sm_90 kernel without split-KV (prefill of DSv4's 512 / 64 heads), its programs store
+    their heads quantized (`sparse_attention_sm90._store_quantized`): the bf16 output never goes to memory.
+    Elsewhere, the attention then the quantization kernel. The same bytes either way.
+
+    Args:
+        q, kv, indices, sink, scale: as `sparse_attention`; `kv` [N, 584] uint8 packed cache rows when
+            `packed_fp8_dtype` (their NoPE bytes' dtype) is given, else [N, 512] bf16 rows.
+        positions: [T] int64; freqs: [32] fp32 (`quantize_attn_output`'s).
+        n_groups, scale_layout: as `quant.quantize_attn_output`.
+
+    Returns:
+        (o_fp8 [T, G, H/G*512] e4m3fn, o_scale [T, G, H/G*4] fp32), as `quant.quantize_attn_output`.
+    """
+    n_tokens, n_heads, head_dim = q.shape
+    if n_groups < 1 or n_heads % n_groups or (n_heads // n_groups * head_dim) % quant.SCALE_BLOCK:
+        raise ValueError(f"n_groups: must split the {n_heads} heads of {head_dim} into groups of whole "
+                         f"{quant.SCALE_BLOCK}-channel blocks, got {n_groups}")
+    o_fp8, o_scale, padding = quant.attn_output_buffers(n_tokens, n_groups, n_heads * head_dim // n_groups,
+                                                        torch.float8_e4m3fn, q.device, scale_layout)
+    table = quant.rope_table(positions, freqs)
+    fused = sm90.QuantizedOutput(o_fp8, o_scale, table[0], table[1], n_heads // n_groups)
+    views = (kv, kv, kv) if packed_fp8_dtype is None else (kv.view(packed_fp8_dtype), kv.view(torch.bfloat16), kv)
+    out = _launch(q, views, indices, sink, scale, packed=packed_fp8_dtype is not None, splits=None, config=None,
+                  sm90_kernel=None, quantized=fused)
+    if out is not None:
+        return quant.quantize_attn_output_checked(out, positions, freqs, n_groups=n_groups, fmt="e4m3fn",
+                                                  scale_layout=scale_layout)
+    padding.zero_()  # the DeepGEMM layout's padding rows, which the quantization kernel writes as 0
+    return o_fp8, o_scale
+
+
 def _launch(
     q: torch.Tensor, kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], indices: torch.Tensor,
     sink: torch.Tensor, scale: float, *, packed: bool, splits: int | None, config: LaunchConfig | None,
-    sm90_kernel: bool | None,
-) -> torch.Tensor:
+    sm90_kernel: bool | None, quantized: sm90.QuantizedOutput | None = None,
+) -> torch.Tensor | None:
+    """The launch(es) of one sparse attention: [T, H, 512] bf16, or None where `quantized` was given and the
+    sm_90 kernel stored the output there instead (one split, DSv4's heads)."""
     prepare_interpreter()
     n_tokens, n_heads, _ = q.shape
     n_candidates = indices.shape[1]
@@ -335,8 +377,12 @@ def _launch(
     if sm90_kernel and not use_sm90:
         raise ValueError(f"sm90_kernel: needs an sm_90 GPU and programs of {sm90.BLOCK_H} heads x {sm90.BLOCK_N} "
                          f"rows; this launch has {heads_per_program} x {block_n} on {q.device}")
+    fuse = quantized is not None and use_sm90 and splits == 1 and 2 * quantized.cos.shape[-1] == sm90.ROPE_DIM
     if use_sm90:
-        sm90.launch(q, kv_views, indices, sink, scale, out, part_acc, part_ml, rows_per_split, splits, constexprs)
+        sm90.launch(q, kv_views, indices, sink, scale, out, part_acc, part_ml, rows_per_split, splits, constexprs,
+                    quantized if fuse else None)
+        if fuse:
+            return None
     else:
         kv_main, kv_rope, kv_scale = kv_views
         _sparse_attention_kernel[(n_tokens, n_head_blocks, splits)](
@@ -393,6 +439,9 @@ AOT_SPECS = [
     # the same launches of 64-head programs as the warp-specialized sm_90 kernel (`sm90.supported`)
     *(sm90.aot_spec(_attention_signature(packed), _attention_constexprs(packed, split, sm90.BLOCK_H, sm90.BLOCK_N),
                     _ALIGNED) for packed in (False, True) for split in (False, True)),
+    # ... and prefill with the output projection's quantization fused (`sparse_attention_quantized`)
+    *(sm90.aot_spec(_attention_signature(packed), _attention_constexprs(packed, False, sm90.BLOCK_H, sm90.BLOCK_N),
+                    _ALIGNED, quantized=True) for packed in (False, True)),
     AotSpec("sparse_attention_merge", _merge_splits_kernel,
             {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
              "T": "i32", "H": "i32", "n_splits": "i32", "stride_ot": "i32", "stride_oh": "i32"},

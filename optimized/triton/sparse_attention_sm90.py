@@ -35,6 +35,8 @@ portable kernel runs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -47,7 +49,29 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from optimized.triton._fp8 import pow2_reciprocal, ue8m0_scale
 from optimized.triton.aot import AotSpec
+from optimized.triton.quant import _amax
+from reference.einsum import ATTN_OUT_EPS
+
+
+@dataclass(frozen=True)
+class QuantizedOutput:
+    """Where a launch stores its output quantized (`quant.quantize_attn_output`'s outputs, e4m3fn).
+
+    Attributes:
+        o_fp8: [T, G, H/G*512] e4m3fn, last dim contiguous.
+        o_scale: [T, G, H/G*4] fp32 (either scale layout: any strides).
+        cos, sin: [T, 32] fp32 contiguous, the tokens' RoPE tables (`quant.rope_table`).
+        heads_per_group: H / G.
+    """
+
+    o_fp8: torch.Tensor
+    o_scale: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    heads_per_group: int
+
 
 BLOCK_H = 64  # heads per program (two warpgroups of wgmma M = 64 rows each: the heads are the M of both dots)
 BLOCK_N = 64  # gathered rows per step
@@ -58,6 +82,7 @@ PRODUCER_REGS = 56  # registers per producer thread (addresses and masks only); 
 PACKED_PRODUCER_REGS = 96  # packed rows: the producer also holds the FP8 bytes it decodes
 COPY_CHUNK = 128  # columns per cp.async instruction of the producer (keeps its address registers few)
 HEAD_DIM = 512
+ROPE_DIM = 64  # the RoPE dims at the end of a head (the fused output quantization's inverse RoPE)
 # Gluon names that changed (Triton 3.6 -> 3.9): the cp.async of a pointer tensor into shared memory
 # (`async_copy_global_to_shared` -> `async_load`) and the CTA barrier (`thread_barrier` -> `barrier`)
 _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
@@ -141,10 +166,94 @@ def _producer(kv_ptr, kv_rope_ptr, kv_scale_ptr, idx_ptr, kv_smem, ready, empty,
 
 
 @gluon.jit
+def _add_rn(a, b):
+    """`a + b` in fp32, rounded once: PTX `add.rn` is never contracted with a product into an FMA, so the inverse
+    RoPE rounds as the reference's (the Triton quantization kernels compile without FP fusion instead)."""
+    return gl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _sub_rn(a, b):
+    """`a - b` in fp32, rounded once (see `_add_rn`)."""
+    return gl.inline_asm_elementwise("sub.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _store_quantized(o_smem, o, heads, head_ok, t64, cos_ptr, sin_ptr, of_ptr, os_ptr,
+                     stride_ft, stride_fg, stride_st, stride_sg, stride_sk,
+                     BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, HEADS_PER_GROUP: gl.constexpr,
+                     FP8_MAX: gl.constexpr, EPS: gl.constexpr):
+    """The output projection's activation quantization of this program's heads, in place of the bf16 store:
+    `quant.quantize_attn_output` of the bf16 output, fused (its head-tiled kernel's math and bytes: inverse
+    GPT-J RoPE of the last 64 dims in fp32, per-128-channel UE8M0 scales, e4m3fn by the native cast).
+
+    The bf16 output goes through shared memory (Q's buffer, which no wgmma reads any more), to be read back one
+    128-channel block at a time ([heads, 128]: few registers), the last block as its 64 NoPE dims and its 32
+    RoPE pairs ([heads, 64] each, a thread holding whole pairs).
+    """
+    ROPE_DIM: gl.constexpr = 64  # the module's ROPE_DIM
+    BLOCK: gl.constexpr = 128
+    NB: gl.constexpr = HEAD_DIM // BLOCK
+    NOPE_DIM: gl.constexpr = HEAD_DIM - ROPE_DIM
+    LAST: gl.constexpr = (NB - 1) * BLOCK
+    f8: gl.constexpr = of_ptr.dtype.element_ty
+    o_smem.store(o.to(gl.bfloat16))
+    _cta_barrier()
+    B_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])  # [heads, 128]: 16-byte rows
+    R_L: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [8, 1], [1, 0])  # [heads, 64]: a thread holds a pair
+
+    # whole NoPE blocks
+    hb_ = gl.convert_layout(heads, gl.SliceLayout(1, B_L))
+    ok_b = gl.convert_layout(head_ok, gl.SliceLayout(1, B_L))
+    cb = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, B_L))
+    out_b = of_ptr + t64 * stride_ft + (hb_ // HEADS_PER_GROUP) * stride_fg + (hb_ % HEADS_PER_GROUP) * HEAD_DIM
+    scale_b = os_ptr + t64 * stride_st + (hb_ // HEADS_PER_GROUP) * stride_sg + (hb_ % HEADS_PER_GROUP) * NB * stride_sk
+    for b in gl.static_range(NB - 1):
+        x = o_smem.slice(b * BLOCK, BLOCK, dim=1).load(B_L).to(gl.float32)
+        scale = ue8m0_scale(_amax(x, 1), FP8_MAX, EPS)
+        gl.store(scale_b + b * stride_sk, scale, mask=ok_b)
+        gl.store(out_b[:, None] + b * BLOCK + cb[None, :],
+                 (x * pow2_reciprocal(scale)[:, None]).to(f8, fp_downcast_rounding="rtne"),
+                 mask=ok_b[:, None] & (cb < BLOCK)[None, :])
+
+    # the last block: its NoPE dims, and the RoPE pairs rotated back with the token's cos / sin (loaded per dim as
+    # the pairs are, and split the same way)
+    hr = gl.convert_layout(heads, gl.SliceLayout(1, R_L))
+    ok_r = gl.convert_layout(head_ok, gl.SliceLayout(1, R_L))
+    cr = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, R_L))
+    x = o_smem.slice(LAST, NOPE_DIM - LAST, dim=1).load(R_L).to(gl.float32)
+    pairs = o_smem.slice(NOPE_DIM, ROPE_DIM, dim=1).load(R_L).to(gl.float32)
+    even, odd = gl.split(gl.reshape(pairs, [BLOCK_H, ROPE_DIM // 2, 2]))
+    angle = t64 * (ROPE_DIM // 2) + (hr * 0)[:, None] + (cr // 2)[None, :]
+    cos, _ = gl.split(gl.reshape(gl.load(cos_ptr + angle), [BLOCK_H, ROPE_DIM // 2, 2]))
+    sin, _ = gl.split(gl.reshape(gl.load(sin_ptr + angle), [BLOCK_H, ROPE_DIM // 2, 2]))
+    # inverse GPT-J RoPE (spec §2.8): x_e' = x_e cos + x_o sin,  x_o' = x_o cos - x_e sin
+    even_rot = _add_rn(even * cos, odd * sin)
+    odd_rot = _sub_rn(odd * cos, even * sin)
+    rot_amax = gl.maximum(_amax(even_rot, 1), _amax(odd_rot, 1))
+    scale = ue8m0_scale(gl.maximum(_amax(x, 1), gl.convert_layout(rot_amax, gl.SliceLayout(1, R_L))), FP8_MAX, EPS)
+    out_r = of_ptr + t64 * stride_ft + (hr // HEADS_PER_GROUP) * stride_fg + (hr % HEADS_PER_GROUP) * HEAD_DIM
+    gl.store(os_ptr + t64 * stride_st + (hr // HEADS_PER_GROUP) * stride_sg
+             + ((hr % HEADS_PER_GROUP) * NB + NB - 1) * stride_sk, scale, mask=ok_r)
+    inverse = pow2_reciprocal(scale)
+    gl.store(out_r[:, None] + LAST + cr[None, :], (x * inverse[:, None]).to(f8, fp_downcast_rounding="rtne"),
+             mask=ok_r[:, None] & (cr < ROPE_DIM)[None, :])
+    inverse_p = gl.convert_layout(inverse, rot_amax.type.layout)[:, None]
+    q_pairs = gl.join((even_rot * inverse_p).to(f8, fp_downcast_rounding="rtne"),
+                      (odd_rot * inverse_p).to(f8, fp_downcast_rounding="rtne"))
+    q_pairs = gl.convert_layout(gl.reshape(q_pairs, [BLOCK_H, ROPE_DIM]), R_L)
+    gl.store(out_r[:, None] + NOPE_DIM + cr[None, :], q_pairs, mask=ok_r[:, None] & (cr < ROPE_DIM)[None, :])
+
+
+@gluon.jit
 def _consumer(q_ptr, q_smem, kv_smem, ready, empty, idx_ptr, sink_ptr, out_ptr, part_acc_ptr, part_ml_ptr, t64, hb,
               split, T, H, k_begin, k_end, scale, stride_qt, stride_qh, stride_it, stride_ot, stride_oh,
+              cos_ptr, sin_ptr, scale_ptr, stride_og, stride_st, stride_sg, stride_sk,
               SPLIT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, QUANT_OUT: gl.constexpr, HEADS_PER_GROUP: gl.constexpr,
+              FP8_MAX: gl.constexpr, EPS: gl.constexpr):
     """Q into shared memory (while the producer gathers the first tiles), then S = Q K^T, the online softmax and
     P V over every tile of the split, then the sink and the store (or, with split-KV, the split's unnormalised
     accumulator and (max, sum) for the merge kernel)."""
@@ -212,18 +321,26 @@ def _consumer(q_ptr, q_smem, kv_smem, ready, empty, idx_ptr, sink_ptr, out_ptr, 
         denom = l_o + gl.exp(sink - gl.where(any_valid, m_o, 0.0))
         o = gl.where(any_valid[:, None], gl.div_rn(acc, denom[:, None]), 0.0)
         o = gl.where(nan_o[:, None] > 0, float("nan"), o)
-        gl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + cols[None, :], o.to(gl.bfloat16),
-                 mask=head_ok[:, None] & (cols < HEAD_DIM)[None, :])
+        if QUANT_OUT:
+            # out_ptr: the FP8 [T, G, H/G*512] output (strides stride_ot, stride_og), scale_ptr its scales
+            _store_quantized(q_smem, o, heads, head_ok, t64, cos_ptr, sin_ptr, out_ptr, scale_ptr, stride_ot,
+                             stride_og, stride_st, stride_sg, stride_sk, BLOCK_H, HEAD_DIM, HEADS_PER_GROUP,
+                             FP8_MAX, EPS)
+        else:
+            gl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + cols[None, :], o.to(gl.bfloat16),
+                     mask=head_ok[:, None] & (cols < HEAD_DIM)[None, :])
 
 
 @gluon.jit
 def _sparse_attention_sm90_kernel(
     q_ptr, kv_ptr, kv_rope_ptr, kv_scale_ptr, idx_ptr, sink_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     T, H, K, rows_per_split, scale, stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
+    cos_ptr, sin_ptr, scale_ptr, stride_og, stride_st, stride_sg, stride_sk,
     PACKED: gl.constexpr, SPLIT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, COPY_CHUNK: gl.constexpr, NOPE_DIM: gl.constexpr,
     CHUNK: gl.constexpr, ROW_BYTES: gl.constexpr, ROPE_OFFSET: gl.constexpr, SCALE_OFFSET: gl.constexpr,
-    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, QUANT_OUT: gl.constexpr = False,
+    HEADS_PER_GROUP: gl.constexpr = 8, FP8_MAX: gl.constexpr = 448.0, EPS: gl.constexpr = 1e-4,
 ):
     """One program = one token x BLOCK_H heads x one split of the token's candidates (the portable kernel's grid):
     the shared memory and its barriers, then the producer and consumer partitions."""
@@ -246,7 +363,8 @@ def _sparse_attention_sm90_kernel(
     gl.warp_specialize(
         [(_consumer, (q_ptr, q_smem, kv_smem, ready, empty, idx_ptr, sink_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                       t64, hb, split, T, H, k_begin, k_end, scale, stride_qt, stride_qh, stride_it, stride_ot,
-                      stride_oh, SPLIT, BLOCK_H, BLOCK_N, HEAD_DIM, STAGES)),
+                      stride_oh, cos_ptr, sin_ptr, scale_ptr, stride_og, stride_st, stride_sg, stride_sk, SPLIT,
+                      BLOCK_H, BLOCK_N, HEAD_DIM, STAGES, QUANT_OUT, HEADS_PER_GROUP, FP8_MAX, EPS)),
          (_producer, (kv_ptr, kv_rope_ptr, kv_scale_ptr, idx_ptr, kv_smem, ready, empty, t64, stride_it, stride_kv,
                       k_begin, k_end, PACKED, BLOCK_N, HEAD_DIM, STAGES, COPY_CHUNK, NOPE_DIM, CHUNK, ROW_BYTES,
                       ROPE_OFFSET, SCALE_OFFSET, PRODUCER_WARPS))],
@@ -266,23 +384,46 @@ def _own_constexprs(packed: bool) -> dict[str, int]:
 
 def launch(q: torch.Tensor, kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], indices: torch.Tensor,
            sink: torch.Tensor, scale: float, out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor,
-           rows_per_split: int, splits: int, constexprs: dict[str, int | bool]) -> None:
+           rows_per_split: int, splits: int, constexprs: dict[str, int | bool],
+           quantized: QuantizedOutput | None = None) -> None:
     """The portable kernel's launch (`sparse_attention._launch`: same arguments, grid and outputs, `constexprs`
-    its `_attention_constexprs` with BLOCK_H = 64 and BLOCK_N = 64) as this kernel."""
+    its `_attention_constexprs` with BLOCK_H = 64 and BLOCK_N = 64) as this kernel; with `quantized` (no split)
+    the program stores its heads quantized for the output projection (`_store_quantized`) instead of `out`."""
     n_tokens, n_heads, _ = q.shape
     kv_main, kv_rope, kv_scale = kv_views
+    if quantized is None:
+        dst, quant_args, quant_constexprs = out, (sink, sink, sink, 0, 0, 0, 0), {}
+    else:
+        if splits != 1 or quantized.o_fp8.dtype != torch.float8_e4m3fn:
+            raise ValueError("quantized: the fused output quantization needs one split and e4m3fn")
+        dst = quantized.o_fp8
+        quant_args = (quantized.cos, quantized.sin, quantized.o_scale, dst.stride(1), *quantized.o_scale.stride())
+        quant_constexprs = {"QUANT_OUT": True, "HEADS_PER_GROUP": quantized.heads_per_group,
+                            "FP8_MAX": torch.finfo(torch.float8_e4m3fn).max, "EPS": ATTN_OUT_EPS}
     _sparse_attention_sm90_kernel[(n_tokens, triton.cdiv(n_heads, BLOCK_H), splits)](
-        q, kv_main, kv_rope, kv_scale, indices, sink, out, part_acc, part_ml,
+        q, kv_main, kv_rope, kv_scale, indices, sink, dst, part_acc, part_ml,
         n_tokens, n_heads, indices.shape[1], rows_per_split, float(scale),
-        q.stride(0), q.stride(1), kv_main.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-        **constexprs, **_own_constexprs(bool(constexprs["PACKED"])), num_warps=CONSUMER_WARPS,
+        q.stride(0), q.stride(1), kv_main.stride(0), indices.stride(0), dst.stride(0), out.stride(1), *quant_args,
+        **constexprs, **_own_constexprs(bool(constexprs["PACKED"])), **quant_constexprs, num_warps=CONSUMER_WARPS,
     )
 
 
-def aot_spec(signature: dict[str, str], constexprs: dict[str, int | bool], aligned: tuple[str, ...]) -> AotSpec:
-    """This kernel's launch for the portable kernel's signature and constexprs (sm_90 only)."""
+_QUANT_SIGNATURE = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "scale_ptr": "*fp32",
+                    **dict.fromkeys(("stride_og", "stride_st", "stride_sg", "stride_sk"), "i32")}
+
+
+def aot_spec(signature: dict[str, str], constexprs: dict[str, int | bool], aligned: tuple[str, ...],
+             quantized: bool = False) -> AotSpec:
+    """This kernel's launch for the portable kernel's signature and constexprs (sm_90 only); `quantized`: the
+    launch that stores its output quantized (DSv4's 8 heads per group)."""
     packed, split = bool(constexprs["PACKED"]), bool(constexprs["SPLIT"])
+    extra: dict[str, int | bool | float] = {}
+    signature = {**signature, **_QUANT_SIGNATURE}
+    if quantized:
+        signature["out_ptr"] = "*fp8e4nv"
+        extra = {"QUANT_OUT": True, "HEADS_PER_GROUP": 8, "FP8_MAX": torch.finfo(torch.float8_e4m3fn).max,
+                 "EPS": ATTN_OUT_EPS}
     return AotSpec(f"sparse_attention_sm90[gluon,{'packed' if packed else 'bf16'},BLOCK_H={BLOCK_H},"
-                   f"BLOCK_N={BLOCK_N},split={split},warp-specialized]", _sparse_attention_sm90_kernel, signature,
-                   {**constexprs, **_own_constexprs(packed)}, num_warps=CONSUMER_WARPS, gluon=True,
-                   targets=("sm_90",), aligned=aligned)
+                   f"BLOCK_N={BLOCK_N},split={split}{',quantized-out' if quantized else ''},warp-specialized]",
+                   _sparse_attention_sm90_kernel, signature, {**constexprs, **_own_constexprs(packed), **extra},
+                   num_warps=CONSUMER_WARPS, gluon=True, targets=("sm_90",), aligned=aligned)
