@@ -126,6 +126,7 @@ def _inv_rope_quant_kernel(
     HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     NUM_BLOCKS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, EPS: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, NATIVE_CAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program = ROWS consecutive scale blocks of the flattened (token, group, block) space, as a
     [ROWS, BLOCK] tile: load, inverse RoPE, amax, scale, round, store.
@@ -134,6 +135,7 @@ def _inv_rope_quant_kernel(
     whole number of blocks each row is one contiguous run of `o`, so loads and stores are 16-byte vectors.
     DSv4's heads take `_inv_rope_quant_heads_kernel` instead.
     """
+    pdl_wait(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     t = rows // (GROUPS * NUM_BLOCKS)
     g = (rows // NUM_BLOCKS) % GROUPS
@@ -178,6 +180,7 @@ def _inv_rope_quant_heads_kernel(
     HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HEADS: tl.constexpr, EPS: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr, NATIVE_CAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program = HEADS consecutive (token, head) rows of `o`, each a power-of-two number of whole scale
     blocks with all its RoPE dims in the last block (DSv4: 512 = 4 x 128, RoPE dims 448..511): the same
@@ -188,6 +191,7 @@ def _inv_rope_quant_heads_kernel(
     copy of those dims only fills the amax with zeros and is not stored. Rows of tokens t >= T (padding rows of the
     DeepGEMM scale layout) only write scale 0.
     """
+    pdl_wait(PDL)
     NB: tl.constexpr = HEAD_DIM // BLOCK
     NOPE_DIM: tl.constexpr = HEAD_DIM - ROPE_DIM
     HALF: tl.constexpr = ROPE_DIM // 2
@@ -484,7 +488,8 @@ def quantize_attn_output_checked(
     prepare_interpreter()
     table = rope_table(positions, freqs)
     half = freqs.shape[0]
-    fp8_kwargs = {**fp8_constants(f), "NATIVE_CAST": native_fp8_cast(f, o.device), "EPS": ATTN_OUT_EPS}
+    fp8_kwargs = {**fp8_constants(f), "NATIVE_CAST": native_fp8_cast(f, o.device), "EPS": ATTN_OUT_EPS,
+                  **pdl_launch()}
     if head_kernel_fits(head_dim, 2 * half):
         heads = program_heads(config, head_dim)
         _inv_rope_quant_heads_kernel[(-(-t_pad * h // heads),)](

@@ -37,6 +37,7 @@ from optimized.backends import detect
 from optimized.triton import quant
 from optimized.triton import sparse_attention_sm90 as sm90
 from optimized.triton._fp8 import prepare_interpreter
+from optimized.triton._pdl import pdl_launch, pdl_wait
 from optimized.triton.aot import ALL_TARGETS, PLATFORM_TARGETS, AotSpec, tile_platform
 
 HEAD_DIM = 512
@@ -209,9 +210,13 @@ def _sparse_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(
     part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, T, H, n_splits, stride_ot, stride_oh,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Merge the splits of one (token, head block, BLOCK_D output columns) in split order, then apply the sink."""
+    """Merge the splits of one (token, head block, BLOCK_D output columns) in split order, then apply the sink.
+
+    Launched with PDL on sm_90+ (`_pdl`): its programs may be scheduled as the attention kernel's end, and wait for
+    its partials before they read them."""
+    pdl_wait(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -395,6 +400,7 @@ def _launch(
         _merge_splits_kernel[(n_tokens, triton.cdiv(n_heads, MERGE_BLOCK_H), HEAD_DIM // MERGE_BLOCK_D)](
             part_acc, part_ml, sink, out, n_tokens, n_heads, splits, out.stride(0), out.stride(1),
             BLOCK_H=MERGE_BLOCK_H, BLOCK_D=MERGE_BLOCK_D, HEAD_DIM=HEAD_DIM, num_warps=MERGE_NUM_WARPS,
+            **pdl_launch(),
         )
     return out
 

@@ -345,6 +345,10 @@ def _sparse_attention_sm90_kernel(
     """One program = one token x BLOCK_H heads x one split of the token's candidates (the portable kernel's grid):
     the shared memory and its barriers, then the producer and consumer partitions."""
     SM_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    # a successor launched with PDL (the split merge) may be scheduled now, on the SMs this grid leaves free; it waits
+    # for this grid to complete before it reads anything (`_pdl`)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
     t = gl.program_id(0)
     hb = gl.program_id(1)
     split = gl.program_id(2)
