@@ -205,7 +205,8 @@ def _store_quantized(o_smem, o, heads, head_ok, t64, cos_ptr, sin_ptr, of_ptr, o
     R_L: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [8, 1], [1, 0])  # [heads, 64]: a thread holds a pair
 
     # whole NoPE blocks
-    hb_ = gl.convert_layout(heads, gl.SliceLayout(1, B_L))
+    # int64 offsets: a group's stride is T x 4096 bytes
+    hb_ = gl.convert_layout(heads, gl.SliceLayout(1, B_L)).to(gl.int64)
     ok_b = gl.convert_layout(head_ok, gl.SliceLayout(1, B_L))
     cb = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, B_L))
     out_b = of_ptr + t64 * stride_ft + (hb_ // HEADS_PER_GROUP) * stride_fg + (hb_ % HEADS_PER_GROUP) * HEAD_DIM
@@ -220,7 +221,7 @@ def _store_quantized(o_smem, o, heads, head_ok, t64, cos_ptr, sin_ptr, of_ptr, o
 
     # the last block: its NoPE dims, and the RoPE pairs rotated back with the token's cos / sin (loaded per dim as
     # the pairs are, and split the same way)
-    hr = gl.convert_layout(heads, gl.SliceLayout(1, R_L))
+    hr = gl.convert_layout(heads, gl.SliceLayout(1, R_L)).to(gl.int64)
     ok_r = gl.convert_layout(head_ok, gl.SliceLayout(1, R_L))
     cr = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, R_L))
     x = o_smem.slice(LAST, NOPE_DIM - LAST, dim=1).load(R_L).to(gl.float32)
