@@ -34,8 +34,8 @@ from itertools import accumulate, pairwise
 import torch
 from torch import nn
 
-from optimized.backends import checking_values, register, value_checks
-from optimized.einsum import output_projection
+from optimized.backends import checking_values, detect, register, value_checks
+from optimized.einsum import output_projection, project_quantized
 from optimized.linear import fp8_linear, implementation
 from reference import attention as ref
 from reference.attention import AttentionWeights, check_continuation, check_tokens, visible_entries
@@ -742,14 +742,30 @@ class Attention(nn.Module):
             else "triton"
         compressors = (weights.compressor, None if weights.indexer is None else weights.indexer.compressor)
         self._w_cat, self._w_cat_indexer = (None if c is None else torch.cat((c.wkv, c.wgate)) for c in compressors)
+        # `forward` asks for the attention output quantized (`sparse_attention_quantized`) where the sm_90 kernel
+        # can store it so: e4m3fn (its native cast) on an sm_90 GPU, not interpreted
+        device = weights.attn_sink.device
+        self._fused_quant = (numerics.fp8_format == "e4m3fn" and device.type == "cuda" and torch.version.hip is None
+                             and not detect().interpret and torch.cuda.get_device_capability(device) == (9, 0))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                 cache: AttentionCache | None = None) -> torch.Tensor:
         """x [T, D] bf16 -> [T, D] bf16. Updates `cache`."""
         if self._reference is not None:
             return self._reference(x, positions, cu_seqlens, cache)
-        o = self.attend(x, positions, cu_seqlens, cache)
         w = self.weights
+        if self._fused_quant:
+            # the sm_90 attention kernel stores its output quantized for `wo_a` where it runs without split-KV
+            # (`sparse_attention_quantized`; elsewhere the attention then the quantization kernel): same bytes
+            from optimized.triton import sparse_attention as tsa
+
+            q, kv, indices = self.attention_inputs(x, positions, cu_seqlens, cache)
+            packed = fp8_format(self.numerics.fp8_format).dtype if kv.dtype == torch.uint8 else None
+            o_fp8, o_scale = tsa.sparse_attention_quantized(
+                q, kv, indices, w.attn_sink, self.softmax_scale, positions, self.freqs, n_groups=self.cfg.o_groups,
+                scale_layout="deepgemm" if self.backend == "deepgemm" else "row_major", packed_fp8_dtype=packed)
+            return project_quantized(self.backend, o_fp8, o_scale, w.wo_a, w.wo_b, self.numerics)
+        o = self.attend(x, positions, cu_seqlens, cache)
         return output_projection(o, positions, self.freqs, w.wo_a, w.wo_b, self.numerics, backend=self.backend)
 
     def attend(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,

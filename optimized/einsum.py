@@ -119,8 +119,18 @@ def _compose_output_projection_checked(
     groups = o.shape[1] * o.shape[2] // wo_a.data.shape[1]
     o_fp8, o_scale = resolve("quantize_attn_output", backend, ("o", o))[1](o, positions, freqs, n_groups=groups,
                                                                            fmt=numerics.fp8_format)
-    z = resolve("fp8_einsum", backend, ("o", o))[1]("bhr,hdr->bhd", (o_fp8, o_scale), grouped_wo_a(wo_a, groups))
-    return resolve("fp8_linear", backend, ("o", o))[1](z.flatten(1), wo_b, numerics)
+    return project_quantized(backend, o_fp8, o_scale, wo_a, wo_b, numerics)
+
+
+def project_quantized(backend: str, o_fp8: torch.Tensor, o_scale: torch.Tensor, wo_a: Fp8Weight, wo_b: Fp8Weight,
+                      numerics: Numerics) -> torch.Tensor:
+    """The composition after the quantization: `fp8_einsum` with `wo_a`, then `fp8_linear(wo_b)`, on `backend`,
+    for `quantize_attn_output`'s outputs in `backend`'s scale layout (the layer's fused path passes those of
+    `sparse_attention_quantized`)."""
+    groups = o_fp8.shape[1]
+    z = resolve("fp8_einsum", backend, ("o_fp8", o_fp8))[1]("bhr,hdr->bhd", (o_fp8, o_scale),
+                                                            grouped_wo_a(wo_a, groups))
+    return resolve("fp8_linear", backend, ("o_fp8", o_fp8))[1](z.flatten(1), wo_b, numerics)
 
 
 output_projection_triton = partial(_compose_output_projection, "triton")

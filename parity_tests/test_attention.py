@@ -275,6 +275,32 @@ def test_sm90_kernel_stores_its_output_quantized_with_the_quantization_kernels_b
             assert bool((pad == 0).all())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (the Gluon kernel of sparse_attention_sm90)")
+@pytest.mark.parametrize("backend", ["triton", "deepgemm"])
+def test_the_layers_fused_output_quantization_gives_the_unfused_layers_bits(backend: str) -> None:
+    """FLASH CSA layer, a fresh prompt of 300 tokens (prefill: one split, the fused epilogue) then one decode token
+    (split-KV: attention then the quantization kernel): bitwise the output of the layer without the fused path."""
+    if backend == "deepgemm" and not DEEPGEMM_OK:
+        pytest.skip(f"deepgemm unavailable: {DEEPGEMM_WHY}")
+    from reference.config import FLASH
+
+    layer_id = layer_of_kind(FLASH, "csa")
+    weights = ref.random_attention_weights(FLASH, layer_id, generator=generator(21), device="cuda")
+    x = torch.randn(301, FLASH.dim, generator=generator(22)).to("cuda", torch.bfloat16)
+    positions = torch.arange(301, device="cuda")
+    outs = []
+    for fused in (True, False):
+        layer = optimized.Attention(FLASH, layer_id, weights, VLLM_NVIDIA, backend=backend)
+        assert layer._fused_quant
+        layer._fused_quant = fused
+        cache = optimized.AttentionCache.empty(FLASH, layer_id, 1, "cuda", packed=True)
+        prompt = layer(x[:300], positions[:300], torch.tensor([0, 300], dtype=torch.int32, device="cuda"), cache)
+        step = layer(x[300:], positions[300:], torch.tensor([0, 1], dtype=torch.int32, device="cuda"), cache)
+        outs.append(torch.cat((prompt, step)))
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
 @needs_triton
 def test_sparse_attention_quantized_names_bad_groups_and_falls_back_off_sm90() -> None:
     """Groups that do not split the heads into whole 128-channel blocks name `n_groups`; where the sm_90 kernel
