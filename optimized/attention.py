@@ -878,5 +878,5 @@ class Attention(nn.Module):
             logits = dgi.mqa_logits(q_idx, pool, head_weights, k_start, k_start + n_visible, max_len)
         else:
             logits = ti.indexer_logits(q_idx, pool, head_weights, k_start, k_start + n_visible, max_len,
-                                       round_bf16=numerics.indexer_scores_bf16)
+                                       round_bf16=numerics.indexer_scores_bf16, tokens_per_sequence=max(lengths))
         return ti.topk_indices(logits, n_visible, cfg.index_topk)

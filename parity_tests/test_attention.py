@@ -23,6 +23,7 @@ from parity_tests.tolerances import (
     ATTENTION_LAYER_SIMULATED,
     COMPRESS_SIMULATED,
     FP8_END_TO_END,
+    INDEXER_SCORES_BF16,
     INDEXER_SCORES_FP32,
     SPARSE_ATTENTION_SIMULATED,
 )
@@ -520,6 +521,51 @@ def test_a_cache_that_does_not_match_its_positions_is_rejected_on_the_host() -> 
 # ------------------------------------------------------------------------------------------------
 # DeepGEMM indexer adapter (GPU)
 # ------------------------------------------------------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("round_bf16", [True, False])
+def test_indexer_logits_decode_tiles_give_the_prefill_tiles_logits(round_bf16: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode batch (sequences of 1-2 new tokens, each scoring only its own keys, contexts of 1 to 200 keys):
+    the 16-token decode tiles give the 64-token tiles' logits up to the fp32 summation order of the dots (the
+    interpreter's matmul of another M, as the GPU's MMA of another M may), and the reference's per sequence;
+    `tokens_per_sequence` <= DECODE_MAX_TOKENS picks them."""
+    from optimized.triton import indexer as ti
+    from reference.indexer import indexer_scores
+
+    g = generator(31)
+    contexts, new_tokens = [200, 1, 65, 130, 17], [1, 2, 1, 1, 2]
+    keys = [torch.randn(n, 128, generator=g).to(torch.bfloat16) for n in contexts]
+    n_tokens = sum(new_tokens)
+    q = torch.randn(n_tokens, 8, 128, generator=g).to(torch.bfloat16)
+    w = torch.randn(n_tokens, 8, generator=g) * 128**-0.5 * 8**-0.5
+    starts = torch.tensor([0, *torch.tensor(contexts).cumsum(0).tolist()[:-1]])
+    k_start = torch.repeat_interleave(starts, torch.tensor(new_tokens)).to(torch.int32)
+    k_end = k_start + torch.repeat_interleave(torch.tensor(contexts), torch.tensor(new_tokens)).to(torch.int32)
+    args = [t.to(KERNEL_DEVICE) for t in (q, torch.cat(keys), w, k_start, k_end)]
+    launched = []
+    kernel = ti._indexer_logits_kernel
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, int]) -> Callable[..., None]:
+            def run(*a: Any, **kw: Any) -> None:
+                launched.append(kw["BLOCK_T"])
+                kernel[grid](*a, **kw)
+            return run
+
+    monkeypatch.setattr(ti, "_indexer_logits_kernel", Spy())
+    decode = ti.indexer_logits(*args, max(contexts), round_bf16=round_bf16, tokens_per_sequence=max(new_tokens))
+    prefill = ti.indexer_logits(*args, max(contexts), round_bf16=round_bf16)
+    assert launched == [ti.DECODE_BLOCK_T, ti.LOGITS_BLOCK_T]
+    numerics = VLLM_NVIDIA.replace(indexer_fp4_sim=False, indexer_scores_bf16=round_bf16)
+    bound = (INDEXER_SCORES_BF16 if round_bf16 else INDEXER_SCORES_FP32).value
+    for t in range(n_tokens):
+        n = int(k_end[t] - k_start[t])
+        assert calc_diff(decode[t, :n], prefill[t, :n]) <= bound
+        b = int(torch.searchsorted(starts, k_start[t], right=True)) - 1
+        expected = indexer_scores(q[t:t + 1], keys[b], w[t:t + 1], numerics)[0]
+        assert calc_diff(decode[t, :n].cpu(), expected.float()) <= bound
 
 
 @pytest.mark.gpu

@@ -27,6 +27,12 @@ from optimized.triton.aot import AotSpec
 LOGITS_BLOCK_T = 64
 LOGITS_BLOCK_N = 64
 LOGITS_NUM_WARPS = 8
+# Decode: a tile of the pool holds one sequence's keys, which only that sequence's few tokens score, so a tile of
+# 64 tokens spanning 64 sequences computes 64 dots for each useful one. Tiles of 16 tokens (tl.dot's smallest M)
+# where no sequence has more than DECODE_MAX_TOKENS new tokens (design note 36; not measured yet).
+DECODE_BLOCK_T = 16
+DECODE_NUM_WARPS = 4
+DECODE_MAX_TOKENS = 32
 # top-k: a row of at most TOPK_SINGLE_BLOCK scores is held in registers for all 32 search steps; longer rows
 # are streamed in TOPK_BLOCK_N chunks per step (from L2).
 TOPK_SINGLE_BLOCK = 2048
@@ -146,7 +152,7 @@ def _topk_kernel(
 
 def indexer_logits(
     q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
-    max_len: int, *, round_bf16: bool,
+    max_len: int, *, round_bf16: bool, tokens_per_sequence: int | None = None,
 ) -> torch.Tensor:
     """Logits of each token over its own range of the key pool.
 
@@ -157,6 +163,8 @@ def indexer_logits(
         k_start, k_end: [T] int32: token t scores pool rows k_start[t] .. k_end[t] - 1.
         max_len: columns of the output (>= max(k_end - k_start)).
         round_bf16: the official bf16 evaluation (dots, terms and sums rounded to bf16).
+        tokens_per_sequence: the most new tokens of one sequence in the batch, where the caller knows it (the
+            layer): at most DECODE_MAX_TOKENS takes the decode tiles. None: the prefill tiles.
 
     Returns:
         [T, max_len] fp32; `out[t, j]` scores pool row `k_start[t] + j` for `j < k_end[t] - k_start[t]`;
@@ -167,12 +175,13 @@ def indexer_logits(
     out = torch.empty((n_tokens, max(max_len, 1)), dtype=torch.float32, device=q.device)
     if n_tokens == 0 or k.shape[0] == 0:
         return out[:, :max_len]
-    grid = (triton.cdiv(n_tokens, LOGITS_BLOCK_T), triton.cdiv(k.shape[0], LOGITS_BLOCK_N))
+    decode = tokens_per_sequence is not None and tokens_per_sequence <= DECODE_MAX_TOKENS
+    block_t, num_warps = (DECODE_BLOCK_T, DECODE_NUM_WARPS) if decode else (LOGITS_BLOCK_T, LOGITS_NUM_WARPS)
+    grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(k.shape[0], LOGITS_BLOCK_N))
     _indexer_logits_kernel[grid](
         q, k, weights, k_start, k_end, out, n_tokens, k.shape[0], n_heads,
         q.stride(0), q.stride(1), k.stride(0), weights.stride(0), out.stride(0),
-        HEAD_DIM=head_dim, BLOCK_T=LOGITS_BLOCK_T, BLOCK_N=LOGITS_BLOCK_N, ROUND_BF16=round_bf16,
-        num_warps=LOGITS_NUM_WARPS,
+        HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_N=LOGITS_BLOCK_N, ROUND_BF16=round_bf16, num_warps=num_warps,
     )
     return out[:, :max_len]
 
@@ -230,10 +239,11 @@ _TOPK_SIGNATURE = {
 }
 
 AOT_SPECS = [
-    AotSpec(f"indexer_logits[round_bf16={rb}]", _indexer_logits_kernel, _LOGITS_SIGNATURE,
-            {"HEAD_DIM": 128, "BLOCK_T": LOGITS_BLOCK_T, "BLOCK_N": LOGITS_BLOCK_N, "ROUND_BF16": rb},
-            num_warps=LOGITS_NUM_WARPS)
+    AotSpec(f"indexer_logits[BLOCK_T={block_t},round_bf16={rb}]", _indexer_logits_kernel, _LOGITS_SIGNATURE,
+            {"HEAD_DIM": 128, "BLOCK_T": block_t, "BLOCK_N": LOGITS_BLOCK_N, "ROUND_BF16": rb},
+            num_warps=num_warps)
     for rb in (True, False)
+    for block_t, num_warps in ((LOGITS_BLOCK_T, LOGITS_NUM_WARPS), (DECODE_BLOCK_T, DECODE_NUM_WARPS))
 ] + [
     # FLASH prefill 8192 tokens: 2048 entries per row (single block); decode at 32768: 8192; longer: streamed
     AotSpec(f"indexer_topk[BLOCK_N={block},single={single}]", _topk_kernel, _TOPK_SIGNATURE,

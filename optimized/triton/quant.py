@@ -56,10 +56,11 @@ _TILE_ELEMENTS = 4096
 
 @triton.jit
 def _amax(x, axis: tl.constexpr):
-    """max |x| along `axis`, +inf where the run holds a NaN. `tl.max` drops NaN on GPUs (`max.f32`), and a
-    NaN-propagating `tl.reduce` runs its combine element by element in the CPU interpreter (it made the kernel
-    tests several times slower), so NaN becomes +inf before the max. `ue8m0_scale` gives +inf and NaN the same
-    scale, 2^127 (the exponent byte clamps at 254): the reference's NaN-block scale, torch's amax being NaN there."""
+    """max |x| along `axis`, +inf where the run holds a NaN. `tl.max` drops NaN (GPUs' `max.f32`, and Triton 3.6's
+    interpreter too), and a NaN-propagating `tl.reduce` runs its combine element by element in the CPU
+    interpreter (it made the kernel tests several times slower), so NaN becomes +inf before the max.
+    `ue8m0_scale` gives +inf and NaN the same scale, 2^127 (the exponent byte clamps at 254): the reference's
+    NaN-block scale, torch's amax being NaN there."""
     a = tl.abs(x)
     return tl.max(tl.where(a != a, float("inf"), a), axis)
 
