@@ -56,11 +56,9 @@ _TILE_ELEMENTS = 4096
 
 @triton.jit
 def _amax(x, axis: tl.constexpr):
-    """max |x| along `axis`, +inf where the run holds a NaN. `tl.max` drops NaN (GPUs' `max.f32`, and Triton 3.6's
-    interpreter too), and a NaN-propagating `tl.reduce` runs its combine element by element in the CPU
-    interpreter (it made the kernel tests several times slower), so NaN becomes +inf before the max.
-    `ue8m0_scale` gives +inf and NaN the same scale, 2^127 (the exponent byte clamps at 254): the reference's
-    NaN-block scale, torch's amax being NaN there."""
+    """max |x| along `axis`, +inf where the run holds a NaN (`tl.max` drops NaN, on GPUs and in the interpreter;
+    a NaN-propagating `tl.reduce` would run element by element in the interpreter). `ue8m0_scale` gives +inf and
+    NaN the same scale, 2^127 (the exponent byte clamps at 254): the reference's NaN-block scale."""
     a = tl.abs(x)
     return tl.max(tl.where(a != a, float("inf"), a), axis)
 
@@ -218,7 +216,8 @@ def _inv_rope_quant_heads_kernel(
     is_rope = (col >= NOPE_DIM)[None, :, :]
     block_amax = _amax(tl.where(is_rope, 0.0, x), 2)  # [HEADS, NB]
     is_last = (b == NB - 1)[None, :]
-    last_amax = tl.maximum(tl.maximum(_amax(tl.where(is_last, block_amax, 0.0), 1), _amax(even_rot, 1)),
+    # the last block: its NoPE amax (already |x|, NaN-free) and its rotated pairs' amaxes
+    last_amax = tl.maximum(tl.maximum(tl.max(tl.where(is_last, block_amax, 0.0), 1), _amax(even_rot, 1)),
                            _amax(odd_rot, 1))  # [HEADS]
     scale = ue8m0_scale(tl.where(is_last, last_amax[:, None], block_amax), FP8_MAX, EPS)
     last_inverse = pow2_reciprocal(ue8m0_scale(last_amax, FP8_MAX, EPS))[:, None]

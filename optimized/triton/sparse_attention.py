@@ -358,9 +358,8 @@ def _launch(
     prepare_interpreter()
     n_tokens, n_heads, _ = q.shape
     n_candidates = indices.shape[1]
-    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     if n_tokens == 0:
-        return out
+        return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     planned, planned_splits = plan(n_tokens, n_heads, n_candidates, packed)
     launch = config or planned
     splits = planned_splits if splits is None else splits
@@ -383,6 +382,8 @@ def _launch(
         raise ValueError(f"sm90_kernel: needs an sm_90 GPU and programs of {sm90.BLOCK_H} heads x {sm90.BLOCK_N} "
                          f"rows; this launch has {heads_per_program} x {block_n} on {q.device}")
     fuse = quantized is not None and use_sm90 and splits == 1 and 2 * quantized.cos.shape[-1] == sm90.ROPE_DIM
+    # the bf16 output only where it is written (the fused launch stores into `quantized`)
+    out = quantized.o_fp8 if fuse else torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     if use_sm90:
         sm90.launch(q, kv_views, indices, sink, scale, out, part_acc, part_ml, rows_per_split, splits, constexprs,
                     quantized if fuse else None)
