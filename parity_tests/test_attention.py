@@ -245,15 +245,20 @@ def test_sm90_kernel_stores_its_output_quantized_with_the_quantization_kernels_b
         heads: int, scale_layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`sparse_attention_quantized` on the sm_90 kernel (prefill: one split) quantizes in the kernel's epilogue:
     the same FP8 bytes and scales as the attention then `quantize_attn_output`, over bf16 rows and the packed
-    cache, with a NaN query head, a token without any slot (0 output: the EPS scale), 5 tokens (the DeepGEMM
-    layout's padding row), one and two 64-head programs. The quantization kernel must not run."""
+    cache, with a NaN query head, a token without any slot (0 output: the EPS scale), 201 tokens (the DeepGEMM
+    layout's 3 padding rows), one and two 64-head programs. The quantization kernel must not run. (Enough tokens
+    that the launch plan is prefill's: a few tokens are split-KV or 16-head programs, which the kernel does not
+    fuse.)"""
     from optimized.triton import quant
     from optimized.triton import sparse_attention as tsa
 
-    q, kv, indices, sink = _attention_inputs("e4m3fn", tokens=5, heads=heads, rows=700, slots=300)
+    tokens = 201
+    q, kv, indices, sink = _attention_inputs("e4m3fn", tokens=tokens, heads=heads, rows=700, slots=300)
+    assert tsa.plan(tokens, heads, 300, packed=False)[1] == 1 and tsa.plan(tokens, heads, 300, packed=True)[1] == 1
     indices[2] = -1
     q[4, 3, 10] = float("nan")
-    positions = torch.tensor([3, 700, 4095, 4096, 65000], device=q.device)
+    positions = torch.arange(tokens, device=q.device) * 331
+    positions[:4] = torch.tensor([3, 4095, 4096, 65000])
     freqs = yarn_frequencies(TINY, 4).to(q.device)
     groups = heads // 8
     o = tsa.sparse_attention(q, kv, indices, sink, 512**-0.5, splits=1)
@@ -271,8 +276,8 @@ def test_sm90_kernel_stores_its_output_quantized_with_the_quantization_kernels_b
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
         assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
         assert got[1].stride() == want[1].stride()
-        if scale_layout == "deepgemm":  # the padding row of the 5 tokens' scales is 0, as the kernel writes it
-            pad = got[1].as_strided((8 - 5, groups, 32), got[1].stride(), got[1].storage_offset() + 5)
+        if scale_layout == "deepgemm":  # the padding rows of the 201 tokens' scales are 0, as the kernel writes them
+            pad = got[1].as_strided((204 - tokens, groups, 32), got[1].stride(), got[1].storage_offset() + tokens)
             assert bool((pad == 0).all())
 
 
