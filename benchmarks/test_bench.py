@@ -357,16 +357,20 @@ def test_markdown_shows_figures_bold_fastest_and_lists_na_reasons() -> None:
 
 
 @pytest.mark.parametrize(("module", "args"), [("sweep_einsum", []), ("sweep_attention", []), ("sweep_moe", []),
-                                             ("profile_attention", []), ("profile_attention", ["--prefill", "16"])],
-                         ids=["sweep_einsum", "sweep_attention", "sweep_moe", "profile_decode", "profile_prefill"])
+                                             ("profile_attention", []), ("profile_attention", ["--prefill", "16"]),
+                                             ("fused_output_quant", [])],
+                         ids=["sweep_einsum", "sweep_attention", "sweep_moe", "profile_decode", "profile_prefill",
+                              "fused_output_quant"])
 def test_tile_sweeps_and_the_layer_profile_run_in_cpu_smoke_mode(module: str, args: list[str], tmp_path: Path) -> None:
-    """The H200 scripts behind the tile tables and the layer diagnosis run their code paths on the CPU (TINY,
-    interpreter; nothing timed): every candidate they try there runs and matches."""
+    """The H200 scripts behind the tile tables, the layer diagnosis and the fused quantization's A/B run their code
+    paths on the CPU (TINY, interpreter; nothing timed): every candidate they try there runs and matches."""
     main = importlib.import_module(f"benchmarks.{module}").main
     assert main(["--out", str(tmp_path), "--smoke", *args]) == 0
     report = json.loads((tmp_path / f"{module}.json").read_text())
     if module == "profile_attention":
         assert report["results"] and all(r["wall_ms"] > 0 and r["aten_ops"] > 0 for r in report["results"].values())
+    elif module == "fused_output_quant":  # the quantized paths' bytes agree (on the CPU both are two kernels)
+        assert report["results"] and all(r["bitwise"] for r in report["results"].values()), report["results"]
     else:
         assert report["results"] and all(r["ok"] for r in report["results"]), report["results"]
 
