@@ -15,10 +15,9 @@ Writes `DIR/fused_output_quant.json`.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,25 +86,23 @@ def run(config: str, device: str, tokens: tuple[int, ...], smoke: bool) -> dict[
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.sweeping import device_and_config, write_report
+
     p = argparse.ArgumentParser(prog="python -m benchmarks.fused_output_quant", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for fused_output_quant.json")
     p.add_argument("--config", default="FLASH", help="model config (default FLASH)")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated prefill token counts")
     p.add_argument("--smoke", action="store_true", help="CPU: TINY, 12 tokens, one untimed round")
     args = p.parse_args(argv)
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        config, device, tokens = "TINY", "cpu", SMOKE_TOKENS
-    elif not torch.cuda.is_available():
-        print("fused_output_quant needs a CUDA GPU (use --smoke on the CPU)", file=sys.stderr)
+    started = time.perf_counter()
+    where = device_and_config(args, "fused_output_quant")
+    if where is None:
         return 2
-    else:
-        config, device, tokens = args.config, "cuda", tuple(int(t) for t in args.tokens.split(","))
+    device, config = where
+    tokens = SMOKE_TOKENS if args.smoke else tuple(int(t) for t in args.tokens.split(","))
     results = run(config, device, tokens, args.smoke)
-    meta = {"config": config, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "torch": torch.__version__, "rounds": 1 if args.smoke else ROUNDS}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fused_output_quant.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    write_report(args.out, "fused_output_quant", device, {"config": config, "rounds": 1 if args.smoke else ROUNDS},
+                 {"results": results}, started, len(results))
     return 0
 
 
