@@ -23,6 +23,10 @@ split chosen by hand:
   decode has only five tiles, so the Q load is not negligible there): bitwise the same, 1.5-2 % faster at decode
   of batch 64 / 128 and 3 % at prefill of 8192 tokens on an H100
   (docs/h200/ab-sparse-attention-q-in-consumer-h100.json).
+* With `QuantizedOutput` (prefill, one split) the epilogue stores the heads as the output projection's FP8 input
+  (`_store_quantized`: inverse RoPE, per-128 UE8M0 scales, e4m3fn; the quantization kernel's bytes) instead of
+  bf16: FLASH 4096 tokens 1223.8 us against 1232.8 for the bf16 store and 1374.3 with the separate quantization on
+  an H100 (design note 35, docs/h200/ab-fused-out-quant-h100.json).
 
 H200, FLASH, prefill of 8192 tokens over bf16 rows (CUDA-graph replays, L2 flushed;
 docs/h200/gluon-sparse-attention.json): 2523 us against the portable kernel's 3319 us in the same run (245 vs
