@@ -27,6 +27,7 @@ splits in a fixed order with the sink. No atomics: results are bitwise reproduci
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -334,27 +335,33 @@ def sparse_attention_quantized(
     if n_groups < 1 or n_heads % n_groups or (n_heads // n_groups * head_dim) % quant.SCALE_BLOCK:
         raise ValueError(f"n_groups: must split the {n_heads} heads of {head_dim} into groups of whole "
                          f"{quant.SCALE_BLOCK}-channel blocks, got {n_groups}")
-    o_fp8, o_scale, padding = quant.attn_output_buffers(n_tokens, n_groups, n_heads * head_dim // n_groups,
-                                                        torch.float8_e4m3fn, q.device, scale_layout)
-    table = quant.rope_table(positions, freqs)
-    fused = sm90.QuantizedOutput(o_fp8, o_scale, table[0], table[1], n_heads // n_groups)
+    padding: list[torch.Tensor] = []
+
+    def quantized_output() -> sm90.QuantizedOutput:
+        # built only where the launch fuses (the fallback's quantization kernel allocates its own)
+        o_fp8, o_scale, rows = quant.attn_output_buffers(n_tokens, n_groups, n_heads * head_dim // n_groups,
+                                                         torch.float8_e4m3fn, q.device, scale_layout)
+        padding.append(rows)
+        table = quant.rope_table(positions, freqs)
+        return sm90.QuantizedOutput(o_fp8, o_scale, table[0], table[1], n_heads // n_groups)
+
     views = (kv, kv, kv) if packed_fp8_dtype is None else (kv.view(packed_fp8_dtype), kv.view(torch.bfloat16), kv)
     out = _launch(q, views, indices, sink, scale, packed=packed_fp8_dtype is not None, splits=None, config=None,
-                  sm90_kernel=None, quantized=fused)
-    if out is not None:
+                  sm90_kernel=None, quantized=quantized_output if 2 * freqs.shape[0] == sm90.ROPE_DIM else None)
+    if isinstance(out, torch.Tensor):
         return quant.quantize_attn_output_checked(out, positions, freqs, n_groups=n_groups, fmt="e4m3fn",
                                                   scale_layout=scale_layout)
-    padding.zero_()  # the DeepGEMM layout's padding rows, which the quantization kernel writes as 0
-    return o_fp8, o_scale
+    padding[0].zero_()  # the DeepGEMM layout's padding rows, which the quantization kernel writes as 0
+    return out.o_fp8, out.o_scale
 
 
 def _launch(
     q: torch.Tensor, kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], indices: torch.Tensor,
     sink: torch.Tensor, scale: float, *, packed: bool, splits: int | None, config: LaunchConfig | None,
-    sm90_kernel: bool | None, quantized: sm90.QuantizedOutput | None = None,
-) -> torch.Tensor | None:
-    """The launch(es) of one sparse attention: [T, H, 512] bf16, or None where `quantized` was given and the
-    sm_90 kernel stored the output there instead (one split, DSv4's heads)."""
+    sm90_kernel: bool | None, quantized: Callable[[], sm90.QuantizedOutput] | None = None,
+) -> torch.Tensor | sm90.QuantizedOutput:
+    """The launch(es) of one sparse attention: [T, H, 512] bf16, or, where `quantized` was given and the sm_90
+    kernel runs with one split (DSv4's heads), the `quantized()` it stored the output in instead."""
     prepare_interpreter()
     n_tokens, n_heads, _ = q.shape
     n_candidates = indices.shape[1]
@@ -381,14 +388,14 @@ def _launch(
     if sm90_kernel and not use_sm90:
         raise ValueError(f"sm90_kernel: needs an sm_90 GPU and programs of {sm90.BLOCK_H} heads x {sm90.BLOCK_N} "
                          f"rows; this launch has {heads_per_program} x {block_n} on {q.device}")
-    fuse = quantized is not None and use_sm90 and splits == 1 and 2 * quantized.cos.shape[-1] == sm90.ROPE_DIM
-    # the bf16 output only where it is written (the fused launch stores into `quantized`)
-    out = quantized.o_fp8 if fuse else torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    fused = quantized() if quantized is not None and use_sm90 and splits == 1 else None
+    # the bf16 output only where it is written (the fused launch stores into `fused`)
+    out = fused.o_fp8 if fused is not None else torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     if use_sm90:
         sm90.launch(q, kv_views, indices, sink, scale, out, part_acc, part_ml, rows_per_split, splits, constexprs,
-                    quantized if fuse else None)
-        if fuse:
-            return None
+                    fused)
+        if fused is not None:
+            return fused
     else:
         kv_main, kv_rope, kv_scale = kv_views
         _sparse_attention_kernel[(n_tokens, n_head_blocks, splits)](
